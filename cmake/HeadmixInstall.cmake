@@ -1,0 +1,15 @@
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+install(DIRECTORY include/headmix DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(TARGETS headmix EXPORT headmixTargets)
+set(HEADMIX_CMAKE_DIR ${CMAKE_INSTALL_DATADIR}/cmake/headmix)
+install(EXPORT headmixTargets NAMESPACE headmix:: DESTINATION ${HEADMIX_CMAKE_DIR})
+
+configure_package_config_file(cmake/headmixConfig.cmake.in ${PROJECT_BINARY_DIR}/headmixConfig.cmake
+  INSTALL_DESTINATION ${HEADMIX_CMAKE_DIR})
+# Header-only and architecture-independent.
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/headmixConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion ARCH_INDEPENDENT)
+install(FILES ${PROJECT_BINARY_DIR}/headmixConfig.cmake ${PROJECT_BINARY_DIR}/headmixConfigVersion.cmake
+  cmake/HeadmixDependencies.cmake DESTINATION ${HEADMIX_CMAKE_DIR})

@@ -1,0 +1,85 @@
+// Errors and argument checks.
+//
+// Public entry points validate once, with the check_* functions below, and
+// throw shape_error whose message names the variant, the argument and both
+// shapes. Kernels below the entry only use HEADMIX_ASSERT.
+#pragma once
+
+#include "headmix/core/types.hpp"
+
+#include <cassert>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifndef HEADMIX_ASSERT
+#define HEADMIX_ASSERT(cond) assert(cond)
+#endif
+
+namespace headmix {
+
+/// A shape, head count or option does not fit. Derived from
+/// std::invalid_argument; the message reads
+/// "[variant] argument: expected [a, b], got [c, d]".
+class shape_error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+namespace detail {
+
+inline std::string format_shape(const std::vector<Index>& shape) {
+  std::ostringstream s;
+  s << '[';
+  for (std::size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << ']';
+  return s.str();
+}
+
+[[noreturn]] inline void throw_shape(const std::string& variant, const std::string& arg, const std::string& expected,
+                                     const std::string& got) {
+  throw shape_error("[" + variant + "] " + arg + ": expected " + expected + ", got " + got);
+}
+
+}  // namespace detail
+
+/// `actual` must equal `expected`; a -1 in `expected` accepts any extent.
+inline void check_shape(const std::string& variant, const std::string& arg, const std::vector<Index>& expected,
+                        const std::vector<Index>& actual) {
+  bool ok = expected.size() == actual.size();
+  for (std::size_t i = 0; ok && i < expected.size(); ++i) ok = expected[i] < 0 || expected[i] == actual[i];
+  if (!ok) {
+    std::vector<Index> shown = expected;
+    for (std::size_t i = 0; i < shown.size() && i < actual.size(); ++i)
+      if (shown[i] < 0) shown[i] = actual[i];
+    detail::throw_shape(variant, arg, detail::format_shape(shown), detail::format_shape(actual));
+  }
+}
+
+template <class Derived>
+std::vector<Index> shape_of(const Eigen::EigenBase<Derived>& m) {
+  if (Derived::ColsAtCompileTime == 1) return {m.rows()};
+  return {m.rows(), m.cols()};
+}
+
+/// A matrix argument must be `rows x cols`.
+template <class Derived>
+void check_matrix(const std::string& variant, const std::string& arg, const Eigen::EigenBase<Derived>& m, Index rows,
+                  Index cols) {
+  check_shape(variant, arg, {rows, cols}, {m.rows(), m.cols()});
+}
+
+/// A vector argument must have `n` entries.
+template <class Derived>
+void check_vector(const std::string& variant, const std::string& arg, const Eigen::EigenBase<Derived>& v, Index n) {
+  check_shape(variant, arg, {n}, {v.size()});
+}
+
+/// A scalar setting must satisfy `ok`; `expected` says what was wanted.
+inline void check_value(bool ok, const std::string& variant, const std::string& arg, const std::string& expected,
+                        long long actual) {
+  if (!ok) detail::throw_shape(variant, arg, expected, std::to_string(actual));
+}
+
+}  // namespace headmix

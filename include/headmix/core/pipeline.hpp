@@ -1,0 +1,115 @@
+// The dense attention pipeline, shared by every dense variant:
+//
+//   score ──► pre-softmax mix ──► mask + softmax ──► post-softmax mix ──► readout
+//
+// It walks (batch item, block of query rows) tasks, so scratch is
+// O(heads · block_rows · S) per worker, never O(heads · T · S). A variant is
+// a policy that fills in its own stages (see MhaPolicy in variants/mha.hpp):
+//
+//   Index score_heads(), softmax_heads(), value_heads(), value_dim();
+//   bool has_pre_mix(), has_post_mix();
+//   void score(b, head, Eigen::Map<Matrix<T>> out, first_query, first_key, Workspace<T>&, worker);
+//   void pre_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
+//   void post_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
+//   value block (b, head, first_key, count) -> [count, value_dim] matrix expression
+//
+// Projections happen before the pipeline (as GEMMs over all B·T rows) and
+// the output projection after it.
+#pragma once
+
+#include "headmix/core/attention_tensor.hpp"
+#include "headmix/core/mask.hpp"
+#include "headmix/core/parallel.hpp"
+#include "headmix/core/softmax.hpp"
+#include "headmix/core/workspace.hpp"
+
+#include <algorithm>
+
+namespace headmix {
+
+/// Workspace slots. Shared slots below kVariantSlots belong to the
+/// pipeline's callers (projections); variants number their own from there.
+namespace slot {
+enum : std::size_t { query = 0, key, value, context, variant = 8 };
+enum : std::size_t { tile_a = 0, tile_b, key_bias, local_variant = 8 };
+}  // namespace slot
+
+/// What one call of the pipeline works on.
+template <class T>
+struct DenseRun {
+  Index batch = 0, queries = 0, keys = 0;  ///< B, T, S
+  PositionMask mask;
+  KeyPadding padding;   ///< [B, S] or empty
+  Index block_rows = 64;
+  int threads = 1;
+  T* context = nullptr; ///< out: [B·T, value_heads·value_dim], row-major
+  T* probs = nullptr;   ///< out, optional: final weights [B, value_heads, T, S]
+};
+
+template <class T, class Policy>
+void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<T>& ws) {
+  const Index T_ = run.queries, S = run.keys, block = std::max<Index>(1, run.block_rows);
+  const Index blocks = (T_ + block - 1) / block;
+  const Index hv = policy.value_heads(), dv = policy.value_dim();
+  const bool mixes = policy.has_pre_mix() || policy.has_post_mix();
+  const Index tile_heads = std::max({policy.score_heads(), policy.softmax_heads(), hv});
+  MatrixMap<T> context(run.context, run.batch * T_, hv * dv);
+  ws.reserve_workers(std::max(1, run.threads));
+
+  parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
+    const Index b = task / blocks, q0 = (task % blocks) * block, rows = std::min(block, T_ - q0);
+    const auto [k0, k1] = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
+    const Index cols = k1 - k0;
+    const T* bias = nullptr;
+    if (!run.padding.empty()) {
+      T* buf = ws.local(w, slot::key_bias, cols);
+      key_padding_bias(run.padding.item(b), k0, cols, buf);
+      bias = buf;
+    }
+
+    // Readout of final head c, plus the exported weights if asked for.
+    auto emit = [&](Index c, const Eigen::Map<Matrix<T>>& weights) {
+      auto out = context.block(b * T_ + q0, c * dv, rows, dv);
+      if (cols > 0)
+        out.noalias() = weights * policy.values(b, c, k0, cols);
+      else
+        out.setZero();
+      if (run.probs) {
+        T* dst = run.probs + ((b * hv + c) * T_ + q0) * S;
+        for (Index r = 0; r < rows; ++r, dst += S) {
+          std::fill(dst, dst + S, T(0));
+          std::copy_n(weights.row(r).data(), cols, dst + k0);
+        }
+      }
+    };
+
+    if (!mixes) {  // heads are independent: finish each while its tile is in cache
+      Eigen::Map<Matrix<T>> tile(ws.local(w, slot::tile_a, rows * cols), rows, cols);
+      for (Index h = 0; h < hv; ++h) {
+        if (cols > 0) policy.score(b, h, tile, q0, k0, ws, w);
+        masked_softmax_head<T>(tile, q0, k0, S, run.mask, bias);
+        emit(h, tile);
+      }
+      return;
+    }
+    T* buf_a = ws.local(w, slot::tile_a, tile_heads * rows * cols);
+    T* buf_b = ws.local(w, slot::tile_b, tile_heads * rows * cols);
+    AttentionTensor<T> scores(buf_a, policy.score_heads(), rows, cols, q0, k0);
+    for (Index h = 0; h < scores.heads(); ++h)
+      if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);
+    AttentionTensor<T> logits = scores;
+    if (policy.has_pre_mix()) {
+      logits = scores.like(buf_b, policy.softmax_heads());
+      policy.pre_mix(b, scores, logits, ws, w);
+    }
+    masked_softmax(logits, S, run.mask, bias);
+    AttentionTensor<T> weights = logits;
+    if (policy.has_post_mix()) {
+      weights = logits.like(logits.data() == buf_a ? buf_b : buf_a, hv);
+      policy.post_mix(b, logits, weights, ws, w);
+    }
+    for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
+  });
+}
+
+}  // namespace headmix

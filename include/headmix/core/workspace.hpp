@@ -1,0 +1,64 @@
+// Reusable scratch memory.
+//
+// Fresh large buffers cost a page fault per 4 KiB on first touch (hundreds
+// of milliseconds for a long sequence), so a layer takes its scratch from a
+// Workspace that the caller keeps across calls. Buffers only grow: once a
+// workspace has seen the largest shape, later calls allocate nothing.
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/types.hpp"
+
+#include <cstddef>
+#include <vector>
+
+namespace headmix {
+
+template <class T>
+class Workspace {
+ public:
+  /// Slots shared by all threads of one call (projections, context).
+  T* shared(std::size_t slot, Index count) { return grow(shared_, slot, count); }
+  /// Make room for `workers` threads' private slots. Call before a
+  /// parallel region: local() itself never resizes the list of workers.
+  void reserve_workers(int workers) {
+    if (static_cast<std::size_t>(workers) > local_.size()) local_.resize(static_cast<std::size_t>(workers));
+  }
+  /// Slots private to one worker thread (tiles, row scratch).
+  T* local(int worker, std::size_t slot, Index count) {
+    HEADMIX_ASSERT(static_cast<std::size_t>(worker) < local_.size());
+    return grow(local_[static_cast<std::size_t>(worker)], slot, count);
+  }
+  MatrixMap<T> shared_matrix(std::size_t slot, Index rows, Index cols) {
+    return MatrixMap<T>(shared(slot, rows * cols), rows, cols);
+  }
+
+  /// Bytes held right now.
+  std::size_t bytes() const {
+    std::size_t n = 0;
+    for (const auto& b : shared_) n += static_cast<std::size_t>(b.size());
+    for (const auto& slots : local_)
+      for (const auto& b : slots) n += static_cast<std::size_t>(b.size());
+    return n * sizeof(T);
+  }
+  /// Give all memory back.
+  void release() {
+    shared_.clear();
+    local_.clear();
+  }
+
+ private:
+  using Buffer = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+
+  static T* grow(std::vector<Buffer>& slots, std::size_t slot, Index count) {
+    if (slot >= slots.size()) slots.resize(slot + 1);
+    Buffer& b = slots[slot];
+    if (b.size() < count) b.resize(count);
+    return b.data();
+  }
+
+  std::vector<Buffer> shared_;
+  std::vector<std::vector<Buffer>> local_;
+};
+
+}  // namespace headmix

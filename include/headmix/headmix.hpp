@@ -1,0 +1,16 @@
+// headmix: multi-head attention variants on Eigen. The one header to include.
+#pragma once
+
+#include "headmix/core/attention_tensor.hpp"
+#include "headmix/core/error.hpp"
+#include "headmix/core/flops.hpp"
+#include "headmix/core/head_mix.hpp"
+#include "headmix/core/input.hpp"
+#include "headmix/core/linear.hpp"
+#include "headmix/core/mask.hpp"
+#include "headmix/core/parallel.hpp"
+#include "headmix/core/pipeline.hpp"
+#include "headmix/core/softmax.hpp"
+#include "headmix/core/types.hpp"
+#include "headmix/core/workspace.hpp"
+#include "headmix/variants/mha.hpp"

@@ -1,0 +1,178 @@
+// Standard multi-head attention (Vaswani et al. 2017), with the math of
+// torch.nn.MultiheadAttention:
+//
+//   Q = Xq Wqᵀ + bq,  K = Xk Wkᵀ + bk,  V = Xk Wvᵀ + bv     (head h: columns h·Dk.., h·Dv..)
+//   P_h = softmax(scale · Q_h K_hᵀ + mask),  C_h = P_h V_h,  Y = concat_h(C_h) Woᵀ + bo
+//
+// Dk and Dv are independent of D / H; out_dim need not equal D.
+//
+// Memory: besides the caller's output, a call keeps in its Workspace
+//   Q [B·T, H·Dk] + K [B·S, H·Dk] + V [B·S, H·Dv] + context [B·T, H·Dv]
+//   + per worker thread: block_rows · S (one head's tile) + S (padding bias)
+// values, so attention memory grows with block_rows · S, never H · T · S.
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/flops.hpp"
+#include "headmix/core/input.hpp"
+#include "headmix/core/linear.hpp"
+#include "headmix/core/pipeline.hpp"
+
+#include <cmath>
+#include <optional>
+
+namespace headmix {
+
+struct MhaOptions {
+  Index num_heads = 1;
+  bool causal = false;
+  Index causal_offset = 0;       ///< see PositionMask: query i sees keys j <= i + causal_offset
+  std::optional<double> scale;   ///< default 1/sqrt(head_dim)
+  Index block_rows = 64;         ///< query rows per pipeline task
+  int threads = 1;               ///< worker threads; results do not depend on it
+};
+
+/// Parameters in PyTorch layout. `o` may be empty: the output is then the
+/// concatenated heads [B, T, H·Dv].
+template <class T>
+struct MhaWeights {
+  Linear<T> q;  ///< [H·Dk, D]
+  Linear<T> k;  ///< [H·Dk, Dkv]
+  Linear<T> v;  ///< [H·Dv, Dkv]
+  Linear<T> o;  ///< [out_dim, H·Dv], optional
+};
+
+template <class T>
+class Mha {
+ public:
+  static constexpr const char* kName = "mha";
+
+  Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) { validate(); }
+
+  Index num_heads() const { return opt_.num_heads; }
+  Index head_dim() const { return w_.q.out_features() / opt_.num_heads; }
+  Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }
+  Index embed_dim() const { return w_.q.in_features(); }
+  Index key_dim() const { return w_.k.in_features(); }
+  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  T scale() const { return static_cast<T>(opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())))); }
+  const MhaWeights<T>& weights() const { return w_; }
+  const MhaOptions& options() const { return opt_; }
+  MhaOptions& options() { return opt_; }  ///< masking, block size and threads may change between calls
+
+  /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the
+  /// attention weights are written there as [B, H, T, S].
+  void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    check_input(kName, in, embed_dim(), key_dim());
+    const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
+    check_output(kName, out, B, T_, out_dim());
+    const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
+
+    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, H * dk);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, H * dv);
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
+    project_rows<T>(w_.q, in.query.rows(), q, opt_.threads);
+    project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
+    project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
+    q *= scale();  // fold the scale into Q once instead of into every score
+
+    DenseRun<T> run;
+    run.batch = B;
+    run.queries = T_;
+    run.keys = S;
+    run.mask = mask();
+    run.padding = in.key_padding;
+    run.block_rows = opt_.block_rows;
+    run.threads = opt_.threads;
+    run.context = ctx.data();
+    if (probs) {
+      probs->resize({B, H, T_, S});
+      run.probs = probs->data();
+    }
+    run_dense_pipeline(Policy{q, k, v, T_, S, H, dk, dv}, run, ws);
+
+    if (w_.o.empty())
+      out.rows() = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  }
+
+  /// Allocating form: returns [B, T, out_dim].
+  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
+    forward(in, out.batch(), ws, probs);
+    return out;
+  }
+
+  /// Self-attention over one sequence [T, D] -> [T, out_dim].
+  Matrix<T> forward(const Matrix<T>& x) const {
+    Workspace<T> ws;
+    Matrix<T> y(x.rows(), out_dim());
+    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
+    return y;
+  }
+
+  /// Multiply-adds of one call on B sequences of T queries and S keys.
+  FlopCount flops(Index B, Index T_, Index S) const {
+    const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
+    FlopCount f;
+    f.projection_macs = B * (T_ * embed_dim() * H * dk + S * key_dim() * H * (dk + dv) +
+                             (w_.o.empty() ? 0 : T_ * H * dv * out_dim()));
+    f.attention_macs = B * H * mask().visible_pairs(T_, S) * (dk + dv);
+    return f;
+  }
+
+ private:
+  // The score and readout stages of MHA; no mixing stages.
+  struct Policy {
+    MatrixMap<T> q, k, v;
+    Index T_, S, H, dk, dv;
+
+    Index score_heads() const { return H; }
+    Index softmax_heads() const { return H; }
+    Index value_heads() const { return H; }
+    Index value_dim() const { return dv; }
+    bool has_pre_mix() const { return false; }
+    bool has_post_mix() const { return false; }
+
+    void score(Index b, Index h, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
+      const Index rows = out.rows(), cols = out.cols();
+      out.noalias() = q.block(b * T_ + q0, h * dk, rows, dk) * k.block(b * S + k0, h * dk, cols, dk).transpose();
+    }
+    auto values(Index b, Index h, Index k0, Index count) const { return v.block(b * S + k0, h * dv, count, dv); }
+    template <class... A>
+    void pre_mix(A&&...) const {}
+    template <class... A>
+    void post_mix(A&&...) const {}
+  };
+
+  PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
+
+  void validate() const {
+    check_value(opt_.num_heads >= 1, kName, "num_heads", ">= 1", opt_.num_heads);
+    check_value(opt_.block_rows >= 1, kName, "block_rows", ">= 1", opt_.block_rows);
+    check_value(opt_.threads >= 1, kName, "threads", ">= 1", opt_.threads);
+    const Index H = opt_.num_heads;
+    const Index hdk = w_.q.out_features(), hdv = w_.v.out_features();
+    if (hdk == 0 || hdk % H != 0)
+      detail::throw_shape(kName, "q.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),
+                          detail::format_shape(shape_of(w_.q.weight)));
+    if (hdv == 0 || hdv % H != 0)
+      detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, Dkv] with num_heads = " + std::to_string(H),
+                          detail::format_shape(shape_of(w_.v.weight)));
+    check_value(embed_dim() >= 1, kName, "q.weight columns (D)", ">= 1", embed_dim());
+    w_.q.check(kName, "q", hdk, embed_dim());
+    check_value(key_dim() >= 1, kName, "k.weight columns (Dkv)", ">= 1", key_dim());
+    w_.k.check(kName, "k", hdk, key_dim());
+    w_.v.check(kName, "v", hdv, key_dim());
+    if (!w_.o.empty()) w_.o.check(kName, "o", w_.o.out_features(), hdv);
+    if (opt_.scale && !std::isfinite(*opt_.scale))
+      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt_.scale));
+  }
+
+  MhaWeights<T> w_;
+  MhaOptions opt_;
+};
+
+}  // namespace headmix
