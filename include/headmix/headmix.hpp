@@ -13,4 +13,7 @@
 #include "headmix/core/softmax.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
+#include "headmix/variants/dcmha.hpp"
+#include "headmix/variants/lsh.hpp"
 #include "headmix/variants/mha.hpp"
+#include "headmix/variants/talking_heads.hpp"

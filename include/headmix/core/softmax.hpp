@@ -37,13 +37,17 @@ void masked_softmax_head(Eigen::Map<Matrix<T>> scores, Index first_query, Index 
     row.head(lo).setZero();
     row.tail(cols - hi).setZero();
     auto seg = row.segment(lo, hi - lo);
-    if (key_bias) seg += Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>(key_bias + lo, hi - lo);
+    const Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>> bias(key_bias ? key_bias + lo : nullptr, hi - lo);
+    if (key_bias) seg += bias;
     const T m = hi > lo ? seg.maxCoeff() : -std::numeric_limits<T>::infinity();
-    if (!(m > -std::numeric_limits<T>::infinity())) {  // nothing visible (or NaN max: propagate below)
+    if (!(m > -std::numeric_limits<T>::infinity())) {  // nothing visible, or a NaN to pass on
       if (m != m) seg = std::numeric_limits<T>::quiet_NaN(); else seg.setZero();
       continue;
     }
     seg = (seg - m).exp();
+    // Vectorised exp clamps its argument, so exp(-inf) is ~1e-38, not 0:
+    // padded keys are zeroed explicitly.
+    if (key_bias) seg = (bias == T(0)).select(seg, T(0));
     seg *= T(1) / seg.sum();
   }
 }

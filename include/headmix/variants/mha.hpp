@@ -47,7 +47,7 @@ class Mha {
  public:
   static constexpr const char* kName = "mha";
 
-  Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) { validate(); }
+  Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) { validate(w_, opt_); }
 
   Index num_heads() const { return opt_.num_heads; }
   Index head_dim() const { return w_.q.out_features() / opt_.num_heads; }
@@ -58,7 +58,12 @@ class Mha {
   T scale() const { return static_cast<T>(opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())))); }
   const MhaWeights<T>& weights() const { return w_; }
   const MhaOptions& options() const { return opt_; }
-  MhaOptions& options() { return opt_; }  ///< masking, block size and threads may change between calls
+  /// Change masking, block size, threads (or even the head split) between
+  /// calls; validated like the constructor, and left unchanged if invalid.
+  void set_options(const MhaOptions& options) {
+    validate(w_, options);
+    opt_ = options;
+  }
 
   /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the
   /// attention weights are written there as [B, H, T, S].
@@ -149,26 +154,30 @@ class Mha {
 
   PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
 
-  void validate() const {
-    check_value(opt_.num_heads >= 1, kName, "num_heads", ">= 1", opt_.num_heads);
-    check_value(opt_.block_rows >= 1, kName, "block_rows", ">= 1", opt_.block_rows);
-    check_value(opt_.threads >= 1, kName, "threads", ">= 1", opt_.threads);
-    const Index H = opt_.num_heads;
-    const Index hdk = w_.q.out_features(), hdv = w_.v.out_features();
+  static void validate(const MhaWeights<T>& w, const MhaOptions& opt) {
+    check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
+    check_value(opt.block_rows >= 1, kName, "block_rows", ">= 1", opt.block_rows);
+    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
+    if (opt.scale && !std::isfinite(*opt.scale))
+      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt.scale));
+    const Index H = opt.num_heads, D = w.q.in_features(), Dkv = w.k.in_features();
+    const Index hdk = w.q.out_features(), hdv = w.v.out_features();
     if (hdk == 0 || hdk % H != 0)
       detail::throw_shape(kName, "q.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),
-                          detail::format_shape(shape_of(w_.q.weight)));
+                          detail::format_shape(shape_of(w.q.weight)));
     if (hdv == 0 || hdv % H != 0)
       detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, Dkv] with num_heads = " + std::to_string(H),
-                          detail::format_shape(shape_of(w_.v.weight)));
-    check_value(embed_dim() >= 1, kName, "q.weight columns (D)", ">= 1", embed_dim());
-    w_.q.check(kName, "q", hdk, embed_dim());
-    check_value(key_dim() >= 1, kName, "k.weight columns (Dkv)", ">= 1", key_dim());
-    w_.k.check(kName, "k", hdk, key_dim());
-    w_.v.check(kName, "v", hdv, key_dim());
-    if (!w_.o.empty()) w_.o.check(kName, "o", w_.o.out_features(), hdv);
-    if (opt_.scale && !std::isfinite(*opt_.scale))
-      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt_.scale));
+                          detail::format_shape(shape_of(w.v.weight)));
+    check_value(D >= 1, kName, "q.weight columns (D)", ">= 1", D);
+    w.q.check(kName, "q", hdk, D);
+    check_value(Dkv >= 1, kName, "k.weight columns (Dkv)", ">= 1", Dkv);
+    w.k.check(kName, "k", hdk, Dkv);
+    w.v.check(kName, "v", hdv, Dkv);
+    if (!w.o.empty())
+      w.o.check(kName, "o", w.o.out_features(), hdv);
+    else if (w.o.has_bias())  // a bias without its weight is a broken checkpoint, not "no projection"
+      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
+                          detail::format_shape(shape_of(w.o.weight)));
   }
 
   MhaWeights<T> w_;
