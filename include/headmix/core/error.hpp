@@ -7,7 +7,9 @@
 
 #include "headmix/core/types.hpp"
 
+#include <array>
 #include <cassert>
+#include <initializer_list>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -29,10 +31,16 @@ class shape_error : public std::invalid_argument {
 
 namespace detail {
 
-inline std::string format_shape(const std::vector<Index>& shape) {
+inline std::string format_shape(const Shape& shape) {
   std::ostringstream s;
   s << '[';
-  for (std::size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  for (std::size_t i = 0; i < shape.rank(); ++i) {
+    if (i == Shape::kMaxRank) {
+      s << ", ... (rank " << shape.rank() << ")";
+      break;
+    }
+    s << (i ? ", " : "") << shape[i];
+  }
   s << ']';
   return s.str();
 }
@@ -45,20 +53,23 @@ inline std::string format_shape(const std::vector<Index>& shape) {
 }  // namespace detail
 
 /// `actual` must equal `expected`; a -1 in `expected` accepts any extent.
-inline void check_shape(const std::string& variant, const std::string& arg, const std::vector<Index>& expected,
-                        const std::vector<Index>& actual) {
-  bool ok = expected.size() == actual.size();
-  for (std::size_t i = 0; ok && i < expected.size(); ++i) ok = expected[i] < 0 || expected[i] == actual[i];
-  if (!ok) {
-    std::vector<Index> shown = expected;
-    for (std::size_t i = 0; i < shown.size() && i < actual.size(); ++i)
-      if (shown[i] < 0) shown[i] = actual[i];
-    detail::throw_shape(variant, arg, detail::format_shape(shown), detail::format_shape(actual));
-  }
+/// Allocates only when it throws.
+inline void check_shape(const char* variant, const char* arg, const Shape& expected, const Shape& actual) {
+  bool ok = expected.rank() == actual.rank();
+  for (std::size_t i = 0; ok && i < expected.rank(); ++i) ok = expected[i] < 0 || expected[i] == actual[i];
+  if (ok) return;
+  std::vector<Index> shown;
+  for (std::size_t i = 0; i < expected.rank(); ++i)
+    shown.push_back(expected[i] < 0 && i < actual.rank() ? actual[i] : expected[i]);
+  detail::throw_shape(variant, arg, detail::format_shape(shown), detail::format_shape(actual));
+}
+inline void check_shape(const std::string& variant, const std::string& arg, const Shape& expected,
+                        const Shape& actual) {
+  check_shape(variant.c_str(), arg.c_str(), expected, actual);
 }
 
 template <class Derived>
-std::vector<Index> shape_of(const Eigen::EigenBase<Derived>& m) {
+Shape shape_of(const Eigen::EigenBase<Derived>& m) {
   if (Derived::ColsAtCompileTime == 1) return {m.rows()};
   return {m.rows(), m.cols()};
 }
@@ -77,6 +88,9 @@ void check_vector(const std::string& variant, const std::string& arg, const Eige
 }
 
 /// A scalar setting must satisfy `ok`; `expected` says what was wanted.
+inline void check_value(bool ok, const char* variant, const char* arg, const char* expected, long long actual) {
+  if (!ok) detail::throw_shape(variant, arg, expected, std::to_string(actual));
+}
 inline void check_value(bool ok, const std::string& variant, const std::string& arg, const std::string& expected,
                         long long actual) {
   if (!ok) detail::throw_shape(variant, arg, expected, std::to_string(actual));

@@ -22,7 +22,7 @@ struct AttentionInput {
 
 /// Check an input against a layer's widths. Every extent must be at least 1.
 template <class T>
-void check_input(const std::string& variant, const AttentionInput<T>& in, Index query_width, Index key_width) {
+void check_input(const char* variant, const AttentionInput<T>& in, Index query_width, Index key_width) {
   const auto& q = in.query;
   if (q.data() == nullptr || q.batch() < 1 || q.length() < 1)
     detail::throw_shape(variant, "input.query", "[B >= 1, T >= 1, " + std::to_string(query_width) + "]",
@@ -48,7 +48,7 @@ void check_input(const std::string& variant, const AttentionInput<T>& in, Index 
 
 /// An output buffer must be [B, T, width].
 template <class T>
-void check_output(const std::string& variant, const BatchView<T>& out, Index B, Index T_, Index width) {
+void check_output(const char* variant, const BatchView<T>& out, Index B, Index T_, Index width) {
   if (out.data() == nullptr) detail::throw_shape(variant, "output", detail::format_shape({B, T_, width}), "no buffer");
   check_shape(variant, "output", {B, T_, width}, out.shape());
 }

@@ -46,6 +46,19 @@ struct DenseRun {
   T* probs = nullptr;   ///< out, optional: final weights [B, value_heads, T, S]
 };
 
+/// Size every worker's tiles for up to `keys` keys ahead of time, so that a
+/// sequence of calls with growing key counts (decoding steps over a cache)
+/// allocates nothing. `mixes`: the policy has a pre- or post-softmax mix.
+template <class T>
+void reserve_dense_tiles(Workspace<T>& ws, int threads, Index tile_heads, bool mixes, Index block_rows, Index keys) {
+  ws.reserve_workers(std::max(1, threads));
+  for (int w = 0; w < std::max(1, threads); ++w) {
+    ws.local(w, slot::key_bias, keys);
+    ws.local(w, slot::tile_a, (mixes ? tile_heads : 1) * block_rows * keys);
+    if (mixes) ws.local(w, slot::tile_b, tile_heads * block_rows * keys);
+  }
+}
+
 template <class T, class Policy>
 void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<T>& ws) {
   const Index T_ = run.queries, S = run.keys, block = std::max<Index>(1, run.block_rows);

@@ -7,6 +7,7 @@
 
 #include <Eigen/Core>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -15,6 +16,34 @@
 namespace headmix {
 
 using Index = Eigen::Index;
+
+/// A tensor shape small enough to live on the stack, so that validating a
+/// call allocates nothing. Holds up to kMaxRank extents; a longer shape
+/// (only ever from a hostile file) keeps its rank and its first extents.
+class Shape {
+ public:
+  static constexpr std::size_t kMaxRank = 8;
+  Shape() = default;
+  Shape(std::initializer_list<Index> dims) { assign(dims.begin(), dims.size()); }
+  Shape(const std::vector<Index>& dims) { assign(dims.data(), dims.size()); }  // NOLINT: implicit on purpose
+
+  std::size_t rank() const { return rank_; }
+  Index operator[](std::size_t i) const { return i < kMaxRank ? dims_[i] : -1; }
+  friend bool operator==(const Shape& a, const Shape& b) {
+    if (a.rank_ != b.rank_) return false;
+    for (std::size_t i = 0; i < a.rank_ && i < kMaxRank; ++i)
+      if (a.dims_[i] != b.dims_[i]) return false;
+    return true;
+  }
+
+ private:
+  void assign(const Index* dims, std::size_t n) {
+    rank_ = n;
+    for (std::size_t i = 0; i < n && i < kMaxRank; ++i) dims_[i] = dims[i];
+  }
+  std::array<Index, kMaxRank> dims_{};
+  std::size_t rank_ = 0;
+};
 
 template <class T>
 using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -51,7 +80,7 @@ class BatchView {
   Index length() const { return length_; }
   Index width() const { return width_; }
   bool empty() const { return data_ == nullptr; }
-  std::vector<Index> shape() const { return {batch_, length_, width_}; }
+  Shape shape() const { return {batch_, length_, width_}; }
 
   /// Sequence `b` as a `[length, width]` matrix.
   ItemMap item(Index b) const { return ItemMap(data_ + b * length_ * width_, length_, width_); }

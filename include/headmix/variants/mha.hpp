@@ -17,6 +17,7 @@
 #include "headmix/core/input.hpp"
 #include "headmix/core/linear.hpp"
 #include "headmix/core/pipeline.hpp"
+#include "headmix/core/sequence_cache.hpp"
 
 #include <cmath>
 #include <optional>
@@ -73,36 +74,37 @@ class Mha {
     check_output(kName, out, B, T_, out_dim());
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
 
-    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
     MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, H * dk);
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, H * dv);
-    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
-    project_rows<T>(w_.q, in.query.rows(), q, opt_.threads);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    q *= scale();  // fold the scale into Q once instead of into every score
-
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = S;
-    run.mask = mask();
-    run.padding = in.key_padding;
-    run.block_rows = opt_.block_rows;
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, H, T_, S});
-      run.probs = probs->data();
-    }
-    run_dense_pipeline(Policy{q, k, v, T_, S, H, dk, dv}, run, ws);
-
-    if (w_.o.empty())
-      out.rows() = ctx;
-    else
-      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+    attend(in.query, k, v, S, S, mask(), in.key_padding, out, ws, probs);
   }
 
+  /// Incremental decoding. Attends n new positions `x` [B, n, D] to every
+  /// position in `cache` and to themselves, and appends their keys and
+  /// values to the cache. Alignment is bottom-right causal whatever
+  /// options().causal says: new position k sees cached positions
+  /// 0 … size + k. `out` must be [B, n, out_dim]. Self-attention layers only
+  /// (key width == D). Allocates nothing once `ws` and `cache` are sized;
+  /// throws cache_full_error (and changes nothing) when n positions do not fit.
+  void step(ConstBatchView<T> x, SequenceCache<T>& cache, BatchView<T> out, Workspace<T>& ws,
+            Tensor<T>* probs = nullptr) const {
+    check_input(kName, AttentionInput<T>{x, {}, {}}, embed_dim(), key_dim());
+    const Index B = x.batch(), n = x.length(), H = num_heads(), past = cache.size();
+    check_shape(kName, "cache batch", {B}, {cache.batch()});
+    check_output(kName, out, B, n, out_dim());
+    cache.bind(kName, {H * head_dim(), H * v_head_dim()});
+    cache.check_room(kName, n);
+    reserve_dense_tiles(ws, opt_.threads, H, false, std::min(n, opt_.block_rows), cache.capacity());
+    for (Index b = 0; b < B; ++b) {
+      w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
+      w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
+    }
+    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), PositionMask{true, past, 0}, {}, out,
+           ws, probs);
+    cache.advance(n);
+  }
   /// Allocating form: returns [B, T, out_dim].
   Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
     Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
@@ -129,10 +131,41 @@ class Mha {
   }
 
  private:
+  // Project the queries, run the pipeline over keys/values `k`, `v` (batch
+  // item b's S rows start at row b * key_stride), project the output.
+  void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, Index S, Index key_stride, const PositionMask& mask,
+              const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs) const {
+    const Index B = x.batch(), T_ = x.length(), H = num_heads(), dk = head_dim(), dv = v_head_dim();
+    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
+    project_rows<T>(w_.q, x.rows(), q, opt_.threads);
+    q *= scale();  // fold the scale into Q once instead of into every score
+
+    DenseRun<T> run;
+    run.batch = B;
+    run.queries = T_;
+    run.keys = S;
+    run.mask = mask;
+    run.padding = padding;
+    run.block_rows = opt_.block_rows;
+    run.threads = opt_.threads;
+    run.context = ctx.data();
+    if (probs) {
+      probs->resize({B, H, T_, S});
+      run.probs = probs->data();
+    }
+    run_dense_pipeline(Policy{q, k, v, T_, key_stride, H, dk, dv}, run, ws);
+
+    if (w_.o.empty())
+      out.rows() = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  }
+
   // The score and readout stages of MHA; no mixing stages.
   struct Policy {
     MatrixMap<T> q, k, v;
-    Index T_, S, H, dk, dv;
+    Index T_, key_stride, H, dk, dv;
 
     Index score_heads() const { return H; }
     Index softmax_heads() const { return H; }
@@ -143,9 +176,12 @@ class Mha {
 
     void score(Index b, Index h, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
       const Index rows = out.rows(), cols = out.cols();
-      out.noalias() = q.block(b * T_ + q0, h * dk, rows, dk) * k.block(b * S + k0, h * dk, cols, dk).transpose();
+      out.noalias() =
+          q.block(b * T_ + q0, h * dk, rows, dk) * k.block(b * key_stride + k0, h * dk, cols, dk).transpose();
     }
-    auto values(Index b, Index h, Index k0, Index count) const { return v.block(b * S + k0, h * dv, count, dv); }
+    auto values(Index b, Index h, Index k0, Index count) const {
+      return v.block(b * key_stride + k0, h * dv, count, dv);
+    }
     template <class... A>
     void pre_mix(A&&...) const {}
     template <class... A>

@@ -1,0 +1,80 @@
+// A per-layer cache of what incremental decoding needs from past positions.
+//
+// A layer caches one or more "streams", each a row of fixed width per
+// position (MHA: K and V; CollabHead: shared keys and content bias; DCMHA
+// also its key-side dynamic factors). Memory is reserved once; steps then
+// write new rows in place and allocate nothing.
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/types.hpp"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace headmix {
+
+/// A step would write past a cache's capacity. Nothing was written.
+class cache_full_error : public std::length_error {
+ public:
+  using std::length_error::length_error;
+};
+
+template <class T>
+class SequenceCache {
+ public:
+  SequenceCache() = default;
+  SequenceCache(Index batch, Index capacity) : batch_(batch), capacity_(capacity) {}
+
+  /// Set batch size and capacity (positions). Streams are sized by the layer
+  /// on first use; reserving again drops the contents.
+  void reserve(Index batch, Index capacity) {
+    batch_ = batch;
+    capacity_ = capacity;
+    size_ = 0;
+    streams_.clear();
+    widths_ = Shape();
+  }
+  /// Forget all positions, keep the memory.
+  void reset() { size_ = 0; }
+
+  Index batch() const { return batch_; }
+  Index capacity() const { return capacity_; }
+  Index size() const { return size_; }
+
+  /// The layer declares its streams; a cache set up for other widths, or for
+  /// another layer, is an error naming both.
+  void bind(const char* variant, const Shape& widths) {
+    if (streams_.empty() && size_ == 0) {
+      widths_ = widths;
+      streams_.resize(widths.rank());
+      for (std::size_t s = 0; s < widths.rank(); ++s) streams_[s].resize(batch_ * capacity_ * widths[s]);
+      return;
+    }
+    check_shape(variant, "cache stream widths", widths, widths_);
+  }
+  /// Throws cache_full_error if n more positions do not fit.
+  void check_room(const char* variant, Index n) const {
+    if (size_ + n > capacity_)
+      throw cache_full_error(std::string("[") + variant + "] cache: " + std::to_string(n) + " new positions do not fit (" +
+                             std::to_string(size_) + " of " + std::to_string(capacity_) + " used)");
+  }
+  /// Stream s of batch item b, all `capacity` rows ([capacity, width]).
+  MatrixMap<T> stream(std::size_t s, Index b) {
+    return MatrixMap<T>(streams_[s].data() + b * capacity_ * widths_[s], capacity_, widths_[s]);
+  }
+  /// Stream s for all batch items as one [batch * capacity, width] matrix.
+  MatrixMap<T> stream(std::size_t s) {
+    return MatrixMap<T>(streams_[s].data(), batch_ * capacity_, widths_[s]);
+  }
+  /// Mark n written positions as cached.
+  void advance(Index n) { size_ += n; }
+
+ private:
+  Index batch_ = 0, capacity_ = 0, size_ = 0;
+  Shape widths_;
+  std::vector<Vector<T>> streams_;
+};
+
+}  // namespace headmix

@@ -1,0 +1,62 @@
+// Shared pieces of the conformance adapters: reading a case's inputs and
+// parameters into headmix types.
+#pragma once
+
+#include <headmix/headmix.hpp>
+#include <headmix/io/safetensors.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace headmix::conformance {
+
+/// What a layer produced for one case, in double for comparison.
+struct CaseOutputs {
+  Tensor<double> output;
+  std::optional<Tensor<double>> probs;  ///< compared with expected.probs when present
+};
+
+/// A case's inputs, converted to the compute type. Owns the data that the
+/// AttentionInput views.
+template <class T>
+struct CaseInputs {
+  Tensor<T> query, key;
+  Tensor<std::uint8_t> padding;
+
+  explicit CaseInputs(const io::TensorFile& f) : query(f.get<T>("input.query")) {
+    if (f.contains("input.key")) key = f.get<T>("input.key");
+    if (f.contains("input.key_padding_mask")) padding = f.get<std::uint8_t>("input.key_padding_mask");
+  }
+  AttentionInput<T> view() const {
+    AttentionInput<T> in;
+    in.query = query.batch();
+    if (key.rank() == 3) in.key = key.batch();
+    if (padding.rank() == 2) in.key_padding = {padding.data(), padding.dim(0), padding.dim(1)};
+    return in;
+  }
+};
+
+/// `<name>.weight` and, when present, `<name>.bias`.
+template <class T>
+Linear<T> read_linear(const io::TensorFile& f, const std::string& name) {
+  Linear<T> lin;
+  lin.weight = f.matrix<T>(name + ".weight");
+  if (f.contains(name + ".bias")) lin.bias = f.vector<T>(name + ".bias");
+  return lin;
+}
+
+template <class T>
+Tensor<double> to_double(const Tensor<T>& t) {
+  Tensor<double> d(t.shape());
+  for (Index i = 0; i < t.size(); ++i) d[i] = static_cast<double>(t[i]);
+  return d;
+}
+
+inline nlohmann::json case_config(const io::TensorFile& f) {
+  auto it = f.metadata.find("config");
+  return it == f.metadata.end() ? nlohmann::json::object() : nlohmann::json::parse(it->second);
+}
+
+}  // namespace headmix::conformance
