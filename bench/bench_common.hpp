@@ -5,7 +5,9 @@
 
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <random>
+#include <utility>
 
 namespace headmix::bench {
 
@@ -30,6 +32,36 @@ inline void report(benchmark::State& state, const FlopCount& flops, std::size_t 
   state.counters["GFLOP/s"] =
       benchmark::Counter(flops.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["scratch_MiB"] = benchmark::Counter(double(scratch_bytes) / (1 << 20));
+}
+
+/// The suite's shared shapes: B = 1; (D, H) in {(768, 12), (1024, 16)};
+/// T = S in {256, 1024, 4096}; causal and not; 1 and 2 threads. Every
+/// variant's suite entry uses exactly these argument names, which is what
+/// the closing "relative to MHA" table matches on.
+inline void shared_shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"D", "H", "T", "causal", "threads"});
+  for (auto [D, H] : {std::pair{768, 12}, std::pair{1024, 16}})
+    for (int T : {256, 1024, 4096})
+      for (int causal : {0, 1})
+        for (int threads : {1, 2}) b->Args({D, H, T, causal, threads});
+}
+
+/// Time `layer.forward` on one random sequence [T, D] (self-attention) and
+/// report FLOPs, GFLOP/s and scratch. The workspace is sized by one call
+/// before the timed loop, so the loop allocates nothing.
+template <class Layer>
+void time_self_attention(benchmark::State& state, const Layer& layer, Index T, Index D) {
+  Matrix<float> x = random_matrix<float>(T, D, 1.0, 99);
+  Matrix<float> y(T, layer.out_dim());
+  Workspace<float> ws;
+  AttentionInput<float> in{as_batch(x), {}, {}};
+  layer.forward(in, as_batch(y), ws);
+  for (auto _ : state) {
+    layer.forward(in, as_batch(y), ws);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  report(state, layer.flops(1, T, T), ws.bytes());
 }
 
 }  // namespace headmix::bench

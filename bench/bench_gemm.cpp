@@ -25,5 +25,5 @@ void BM_GemmYardstick(benchmark::State& state) {
 
 BENCHMARK(BM_GemmYardstick)
     ->ArgNames({"T", "D"})
-    ->Args({128, 768})->Args({512, 768})->Args({1024, 768})->Args({2048, 768})
+    ->ArgsProduct({{128, 256, 512, 1024, 2048, 4096}, {768, 1024}})
     ->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -1,11 +1,12 @@
-// MHA latency and GFLOP/s (analytic FLOPs) at BERT-base width.
+// MHA latency and GFLOP/s (analytic FLOPs) at BERT-base width over a
+// sweep of lengths (the shared-shape suite entry is bench_suite_mha.cpp).
 #include "bench_common.hpp"
 
 namespace {
 
 using namespace headmix;
 
-void BM_MHA(benchmark::State& state) {
+void BM_MhaSweep(benchmark::State& state) {
   const Index T = state.range(0), D = state.range(1), H = state.range(2);
   const bool causal = state.range(3) != 0;
   MhaWeights<float> w{bench::random_linear<float>(D, D, 1), bench::random_linear<float>(D, D, 2),
@@ -28,7 +29,7 @@ void BM_MHA(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_MHA)
+BENCHMARK(BM_MhaSweep)
     ->ArgNames({"T", "D", "H", "causal"})
     ->Args({128, 768, 12, 0})->Args({512, 768, 12, 0})->Args({1024, 768, 12, 0})->Args({2048, 768, 12, 0})
     ->Args({2048, 768, 12, 1})

@@ -14,5 +14,5 @@
 #include "headmix/core/softmax.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
-#include "headmix/io/safetensors.hpp"
+#include "headmix/variants/lsh.hpp"
 #include "headmix/variants/mha.hpp"

@@ -38,15 +38,6 @@ struct CaseInputs {
   }
 };
 
-/// `<name>.weight` and, when present, `<name>.bias`.
-template <class T>
-Linear<T> read_linear(const io::TensorFile& f, const std::string& name) {
-  Linear<T> lin;
-  lin.weight = f.matrix<T>(name + ".weight");
-  if (f.contains(name + ".bias")) lin.bias = f.vector<T>(name + ".bias");
-  return lin;
-}
-
 template <class T>
 Tensor<double> to_double(const Tensor<T>& t) {
   Tensor<double> d(t.shape());

@@ -8,13 +8,12 @@ namespace headmix::conformance {
 template <class T>
 CaseOutputs run_mha_case(const io::TensorFile& f) {
   const auto config = case_config(f);
-  MhaWeights<T> w{read_linear<T>(f, "q"), read_linear<T>(f, "k"), read_linear<T>(f, "v"), read_linear<T>(f, "o")};
   MhaOptions opt;
   opt.num_heads = config.at("num_heads").get<Index>();
   opt.causal = config.value("causal", false);
   if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
   opt.block_rows = 4;  // several blocks even on small cases, so block boundaries are exercised
-  Mha<T> layer(std::move(w), opt);
+  const auto layer = Mha<T>::from_tensors(f, "", opt);
 
   CaseInputs<T> inputs(f);
   Workspace<T> ws;

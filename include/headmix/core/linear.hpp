@@ -40,4 +40,16 @@ struct Linear {
   }
 };
 
+/// Read `<name>.weight` and, when present, `<name>.bias` from any source of
+/// named tensors that has `contains(name)`, `matrix<T>(name)` and
+/// `vector<T>(name)` (io::TensorFile is one). A missing weight is the
+/// source's error (io::io_error names the tensor).
+template <class T, class Source>
+Linear<T> read_linear(const Source& tensors, const std::string& name) {
+  Linear<T> lin;
+  lin.weight = tensors.template matrix<T>(name + ".weight");
+  if (tensors.contains(name + ".bias")) lin.bias = tensors.template vector<T>(name + ".bias");
+  return lin;
+}
+
 }  // namespace headmix

@@ -10,6 +10,7 @@
 #include "headmix/core/types.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -17,7 +18,9 @@
 namespace headmix {
 
 /// Run `fn(task, worker)` for task in [0, tasks) on up to `threads` workers
-/// (worker in [0, threads)). Worker w runs a contiguous range of tasks.
+/// (worker in [0, threads)). Workers take the next task from a shared
+/// counter, so uneven tasks (causal blocks) still balance. Which worker runs
+/// a task never changes its result; the first exception is rethrown here.
 template <class Fn>
 void parallel_for(Index tasks, int threads, Fn&& fn) {
   const int workers = static_cast<int>(std::clamp<Index>(tasks, 1, std::max(1, threads)));
@@ -25,13 +28,14 @@ void parallel_for(Index tasks, int threads, Fn&& fn) {
     for (Index t = 0; t < tasks; ++t) fn(t, 0);
     return;
   }
+  std::atomic<Index> next{0};
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
   auto run = [&](int w) {
-    const Index begin = tasks * w / workers, end = tasks * (w + 1) / workers;
     try {
-      for (Index t = begin; t < end; ++t) fn(t, w);
+      for (Index t = next++; t < tasks; t = next++) fn(t, w);
     } catch (...) {
       errors[static_cast<std::size_t>(w)] = std::current_exception();
+      next = tasks;  // stop handing out work
     }
   };
   std::vector<std::thread> pool;

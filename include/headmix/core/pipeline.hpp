@@ -13,6 +13,13 @@
 //   void post_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
 //   value block (b, head, first_key, count) -> [count, value_dim] matrix expression
 //
+// A mixing policy may instead fuse its pre mix, mask + softmax and post mix
+// into one stage that rewrites the scores tile in place (its buffer holds
+// max(score_heads, value_heads) planes) and returns the final weights:
+//
+//   AttentionTensor<T> mix_softmax(b, const AttentionTensor<T>& scores, num_keys, const PositionMask&,
+//                                  const T* key_bias, Workspace<T>&, worker);
+//
 // Projections happen before the pipeline (as GEMMs over all B·T rows) and
 // the output projection after it.
 #pragma once
@@ -24,8 +31,15 @@
 #include "headmix/core/workspace.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace headmix {
+
+/// Whether a policy provides the fused `mix_softmax` stage.
+template <class P, class = void>
+struct fuses_mix_softmax : std::false_type {};
+template <class P>
+struct fuses_mix_softmax<P, std::void_t<decltype(&P::mix_softmax)>> : std::true_type {};
 
 /// Workspace slots. Shared slots below kVariantSlots belong to the
 /// pipeline's callers (projections); variants number their own from there.
@@ -71,7 +85,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
 
   parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
     const Index b = task / blocks, q0 = (task % blocks) * block, rows = std::min(block, T_ - q0);
-    const auto [k0, k1] = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
+    const auto keys = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
+    const Index k0 = keys.first, k1 = keys.second;
     const Index cols = k1 - k0;
     const T* bias = nullptr;
     if (!run.padding.empty()) {
@@ -106,10 +121,15 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       return;
     }
     T* buf_a = ws.local(w, slot::tile_a, tile_heads * rows * cols);
-    T* buf_b = ws.local(w, slot::tile_b, tile_heads * rows * cols);
     AttentionTensor<T> scores(buf_a, policy.score_heads(), rows, cols, q0, k0);
     for (Index h = 0; h < scores.heads(); ++h)
       if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);
+    if constexpr (fuses_mix_softmax<Policy>::value) {  // one pass over the tile, no second tile
+      const AttentionTensor<T> weights = policy.mix_softmax(b, scores, S, run.mask, bias, ws, w);
+      for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
+      return;
+    }
+    T* buf_b = ws.local(w, slot::tile_b, tile_heads * rows * cols);
     AttentionTensor<T> logits = scores;
     if (policy.has_pre_mix()) {
       logits = scores.like(buf_b, policy.softmax_heads());

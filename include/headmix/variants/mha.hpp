@@ -50,6 +50,18 @@ class Mha {
 
   Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) { validate(w_, opt_); }
 
+  /// Build from named tensors (an io::TensorFile, or anything with the same
+  /// contains/matrix/vector accessors): `<prefix>q.weight`, `<prefix>q.bias`,
+  /// ... `<prefix>o.bias`, as in conformance/mha.md. Biases and `o` are
+  /// optional. Stored F16/BF16/F32/F64 are converted to T.
+  template <class Source>
+  static Mha from_tensors(const Source& tensors, const std::string& prefix, const MhaOptions& options) {
+    MhaWeights<T> w{read_linear<T>(tensors, prefix + "q"), read_linear<T>(tensors, prefix + "k"),
+                    read_linear<T>(tensors, prefix + "v"), {}};
+    if (tensors.contains(prefix + "o.weight")) w.o = read_linear<T>(tensors, prefix + "o");
+    return Mha(std::move(w), options);
+  }
+
   Index num_heads() const { return opt_.num_heads; }
   Index head_dim() const { return w_.q.out_features() / opt_.num_heads; }
   Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }

@@ -1,0 +1,318 @@
+// Reformer LSH self-attention (Kitaev, Kaiser, Levskaya, "Reformer: The
+// Efficient Transformer", ICLR 2020), with the semantics of reformer-pytorch
+// 1.4.4's LSHSelfAttention behind its Autopadder, as written out step by
+// step in shared/conformance/lsh.md. Per head h, with shared query/key:
+//
+//   qk = x W_qk[h]ᵀ, v = x W_v[h]ᵀ; T is padded to Tp, a multiple of 2·bs
+//   bucket_r(i) = argmax [qk_i A_r, −qk_i A_r]        (NB buckets, NH rounds)
+//   each round: positions sorted by (bucket, position), cut into chunks of bs;
+//   chunk c attends to chunks c and c − 1 (cyclic over all rounds' chunks)
+//   logit = qk_i · k̂_j / sqrt(dh), k̂ = qk / ‖qk‖; masks: invalid pair,
+//   causal, self = −5e4, other bucket, − log(duplicate count)
+//   softmax per round; rounds weighted by their log-partition (logsumexp)
+//   y = concat_h(head_h) W_oᵀ + b_o, sliced back to T rows
+//
+// One deliberate difference from the reference: without
+// allow_duplicate_attention, a key's count N(i, j) is the number of slots
+// holding j that query i really attends over all rounds (lsh.md step 6f);
+// the reference miscounts in the first chunk of every round.
+//
+// Lengths. Any T >= 1 works: the sequence is padded with zero rows of x
+// (so qk and v there are the biases, or 0) to Tp = T rounded up to a
+// multiple of 2·bucket_size; padded positions are hashed and sorted like
+// the others but masked as keys and as queries (step 6b), and the output is
+// sliced back to T rows. A sequence of at most 2·bucket_size positions is
+// therefore one padded length Tp = 2·bs; there, every query's windows over
+// the rounds cover all Tp positions, so when attending across buckets (the
+// default) with n_hashes = 1, or without duplicate attention, the layer
+// computes full shared-QK attention (self −5e4, the same masks): exactly
+// with one round, and to within the 1e-9 of step 6f's log(N + 1e-9)
+// without duplicates. Unlike LSHSelfAttention, headmix never
+// switches silently to a separate full-attention path for short inputs (the
+// reference's Reformer model does not either: it passes full_attn_thres = 0).
+//
+// Buckets. n_buckets = 0 (the default) takes the reference's Tp / bs, so
+// the rotation tensor's last extent depends on the length; a nonzero even
+// n_buckets fixes it (bucket_size then stays the chunk length).
+//
+// Rotations. Either given in weights.rotations as [R, dh, NH, NB/2]
+// (R = 1 shared by every batch item and head, or R = B·H with index
+// b·H + h when rotations_per_head), or drawn from options.seed with the
+// platform-independent generator of variants/lsh/rotations.hpp (the same
+// R and index; rotation ρ depends only on (seed, ρ)). The reference draws
+// fresh rotations on every call; headmix keeps them fixed for a seed, so a
+// call is a deterministic function of its inputs. Change the seed for a new draw.
+//
+// Memory: besides the caller's output, a call keeps in its Workspace
+//   qk [B·T, H·dh] + v [B·T, H·dv] + context [B·T, H·dv] (+ the rotation when seeded)
+//   + per worker thread: 128 × NH·NB/2 (hash block) + O(bs · (bs + dh + dv))
+//     (one chunk's tiles) + O(NH · Tp) integers (buckets and sort)
+// so attention memory grows with NH · Tp, never T². Asking for the dense
+// weights [B, H, T, T] (for inspection at small T) also keeps every chunk's
+// weights, NH · Tp · 2·bs values per worker.
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/flops.hpp"
+#include "headmix/core/input.hpp"
+#include "headmix/core/linear.hpp"
+#include "headmix/core/parallel.hpp"
+#include "headmix/core/pipeline.hpp"
+#include "headmix/variants/lsh/head.hpp"
+#include "headmix/variants/lsh/rotations.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace headmix {
+
+struct LshOptions {
+  Index num_heads = 1;
+  Index bucket_size = 64;     ///< chunk length after sorting (reference default 64)
+  Index n_hashes = 8;         ///< hash rounds (reference default 8)
+  Index n_buckets = 0;        ///< 0: padded length / bucket_size; else even, >= 2
+  bool causal = false;
+  bool attend_across_buckets = true;       ///< false: only keys of the query's own bucket and round
+  bool allow_duplicate_attention = true;   ///< false: divide out keys seen more than once (step 6f)
+  bool rotations_per_head = false;         ///< one rotation per (batch item, head) instead of one shared
+  std::uint64_t seed = 0;                  ///< rotations when weights.rotations is empty
+  int threads = 1;                         ///< worker threads over (batch, head); results do not depend on it
+};
+
+/// Parameters in PyTorch layout (reformer-pytorch: toqk, tov, to_out).
+template <class T>
+struct LshWeights {
+  Linear<T> qk;  ///< [H·dh, D], shared query/key; bias optional (the reference has none)
+  Linear<T> v;   ///< [H·dv, D]; bias optional
+  Linear<T> o;   ///< [out_dim, H·dv], optional: without it the output is the concatenated heads
+  Tensor<T> rotations;  ///< optional [R, dh, NH, NB/2]; empty: drawn from options.seed
+};
+
+template <class T>
+class Lsh {
+ public:
+  static constexpr const char* kName = "lsh";
+
+  Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) { validate(); }
+
+  Index num_heads() const { return opt_.num_heads; }
+  Index head_dim() const { return w_.qk.out_features() / opt_.num_heads; }
+  Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }
+  Index embed_dim() const { return w_.qk.in_features(); }
+  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  const LshWeights<T>& weights() const { return w_; }
+  const LshOptions& options() const { return opt_; }
+  LshOptions& options() { return opt_; }  ///< checked again by every call
+
+  /// Lengths, buckets and chunks of a call on sequences of length T.
+  /// Throws shape_error if options() were made invalid.
+  LshLayout layout(Index T_) const {
+    validate();
+    LshLayout L;
+    const Index bs = opt_.bucket_size;
+    L.length = T_;
+    L.bucket_size = bs;
+    L.padded_length = (T_ + 2 * bs - 1) / (2 * bs) * (2 * bs);
+    L.n_hashes = opt_.n_hashes;
+    L.n_buckets = opt_.n_buckets > 0 ? opt_.n_buckets : L.padded_length / bs;
+    L.chunks_per_round = L.padded_length / bs;
+    L.chunks = L.n_hashes * L.chunks_per_round;
+    return L;
+  }
+  /// The rotations' shape for a call on B sequences of length T.
+  std::vector<Index> rotation_shape(Index B, Index T_) const {
+    return {opt_.rotations_per_head ? B * num_heads() : 1, head_dim(), opt_.n_hashes, layout(T_).n_buckets / 2};
+  }
+
+  /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the dense
+  /// effective weights are written there as [B, H, T, T] (lsh.md section 4):
+  /// O(T²) memory, for inspection at small T.
+  void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    const LshLayout layout = check_call(in);
+    check_output(kName, out, in.query.batch(), in.query.length(), out_dim());
+    const Call call = prepare(in, layout, ws);
+    const Index B = call.B, T_ = call.L.length, H = num_heads(), dv = v_head_dim();
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
+    if (probs) {
+      probs->resize({B, H, T_, T_});
+      probs->set_zero();
+    }
+    lsh_detail::Rules rules;
+    rules.pair_mask = !in.key_padding.empty() || call.L.padded_length > T_;
+    rules.causal = opt_.causal;
+    rules.across = opt_.attend_across_buckets;
+    rules.duplicates = opt_.allow_duplicate_attention;
+
+    parallel_for(B * H, opt_.threads, [&](Index task, int worker) {
+      lsh_detail::HeadJob<T> job = head_job(call, in, task, ws, worker);
+      job.context = ctx.data() + (task / H) * T_ * ctx.cols() + (task % H) * dv;
+      job.context_stride = ctx.cols();
+      if (probs) job.probs = probs->data() + task * T_ * T_;
+      lsh_detail::attend_head(job, call.L, rules, ws, worker);
+    });
+
+    if (w_.o.empty())
+      out.rows() = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  }
+
+  /// Allocating form: returns [B, T, out_dim].
+  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
+    forward(in, out.batch(), ws, probs);
+    return out;
+  }
+
+  /// Self-attention over one sequence [T, D] -> [T, out_dim].
+  Matrix<T> forward(const Matrix<T>& x) const {
+    Workspace<T> ws;
+    Matrix<T> y(x.rows(), out_dim());
+    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
+    return y;
+  }
+
+  /// The bucket of every position in every round, [B, H, NH, Tp], in
+  /// [0, NB) before the round offset, autopad positions included: what
+  /// forward() sorts by (lsh.md's expected.buckets; a debugging aid).
+  Tensor<std::int64_t> buckets(const AttentionInput<T>& in, Workspace<T>& ws) const {
+    const Call call = prepare(in, check_call(in), ws);
+    const Index H = num_heads(), NH = call.L.n_hashes, Tp = call.L.padded_length;
+    Tensor<std::int64_t> out({call.B, H, NH, Tp});
+    parallel_for(call.B * H, opt_.threads, [&](Index task, int worker) {
+      const lsh_detail::HeadJob<T> job = head_job(call, in, task, ws, worker);
+      lsh_detail::Int* b = lsh_detail::local_ints(ws, worker, lsh_detail::s_bucket, NH * Tp);
+      lsh_detail::hash_head(job, call.L, ws, worker, b);
+      std::copy_n(b, NH * Tp, out.data() + task * NH * Tp);
+    });
+    return out;
+  }
+
+  /// Multiply-adds of one call on B sequences of length T (self-attention:
+  /// S must equal T). Per head: key norms and hashing of all Tp positions,
+  /// scores and readout over all NH · Tp · 2·bs slots (masked ones
+  /// included: they are computed, then masked), and the round combination
+  /// of the T real positions.
+  FlopCount flops(Index B, Index T_, Index S) const {
+    if (S != T_)
+      detail::throw_shape(kName, "keys", std::to_string(T_) + " (self-attention: S == T)", std::to_string(S));
+    const LshLayout L = layout(T_);
+    const Index H = num_heads(), dh = head_dim(), dv = v_head_dim(), Tp = L.padded_length;
+    FlopCount f;
+    f.projection_macs = B * T_ * embed_dim() * H * (dh + dv) + (w_.o.empty() ? 0 : B * T_ * H * dv * out_dim());
+    f.attention_macs = B * H *
+                       (Tp * dh + Tp * dh * L.rotation_width() + L.slots() * 2 * L.bucket_size * (dh + dv) +
+                        T_ * L.n_hashes * dv);
+    return f;
+  }
+
+ private:
+  struct Call {
+    Index B = 0;
+    LshLayout L;
+    MatrixMap<T> qk, v;
+    const T* rotations;  ///< explicit or seeded-shared [R, dh, NH·NB/2]; null: seeded per head
+  };
+
+  // The checks of a call, before any work.
+  LshLayout check_call(const AttentionInput<T>& in) const {
+    validate();
+    check_input(kName, in, embed_dim(), embed_dim());
+    if (!in.self_attention())
+      detail::throw_shape(kName, "input.key", "none (LSH attention is self-attention with a shared query/key)",
+                          detail::format_shape(in.key.shape()));
+    const Index B = in.query.batch(), T_ = in.query.length();
+    const LshLayout L = layout(T_);
+    if (L.slots() > std::numeric_limits<lsh_detail::Int>::max() - 2 * L.bucket_size)
+      detail::throw_shape(kName, "input.query",
+                          "a length T with n_hashes * (T padded to 2 * bucket_size) < 2^31",
+                          detail::format_shape(in.query.shape()));
+    if (!w_.rotations.shape().empty()) check_shape(kName, "rotations", rotation_shape(B, T_), w_.rotations.shape());
+    return L;
+  }
+
+  // Projections and rotations, shared by forward() and buckets().
+  Call prepare(const AttentionInput<T>& in, const LshLayout& L, Workspace<T>& ws) const {
+    const Index B = in.query.batch(), T_ = L.length, H = num_heads(), dh = head_dim(), dv = v_head_dim();
+    const T* rotations = nullptr;
+    if (!w_.rotations.shape().empty()) {
+      rotations = w_.rotations.data();
+    } else if (!opt_.rotations_per_head) {  // one shared rotation, drawn once per call
+      const Index count = dh * L.rotation_width();
+      T* buf = ws.shared(slot::variant, count);
+      lsh_rotation<T>(opt_.seed, 0, count, buf);
+      rotations = buf;
+    }
+    MatrixMap<T> qk = ws.shared_matrix(slot::query, B * T_, H * dh);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * T_, H * dv);
+    project_rows<T>(w_.qk, in.query.rows(), qk, opt_.threads);
+    project_rows<T>(w_.v, in.query.rows(), v, opt_.threads);
+    ws.reserve_workers(opt_.threads);
+    return {B, L, qk, v, rotations};
+  }
+
+  // Where task (b, h)'s inputs are; fills the worker's pad rows and, for
+  // seeded per-head rotations, its rotation.
+  lsh_detail::HeadJob<T> head_job(const Call& call, const AttentionInput<T>& in, Index task, Workspace<T>& ws,
+                                  int worker) const {
+    const Index H = num_heads(), dh = head_dim(), dv = v_head_dim(), T_ = call.L.length;
+    const Index b = task / H, h = task % H, per = dh * call.L.rotation_width();
+    lsh_detail::HeadJob<T> job;
+    job.head_dim = dh;
+    job.value_dim = dv;
+    job.qk = call.qk.data() + b * T_ * call.qk.cols() + h * dh;
+    job.qk_stride = call.qk.cols();
+    job.v = call.v.data() + b * T_ * call.v.cols() + h * dv;
+    job.v_stride = call.v.cols();
+    T* pad = ws.local(worker, lsh_detail::s_pad_rows, dh + dv);  // x = 0 gives the bias, or 0
+    for (Index e = 0; e < dh; ++e) pad[e] = w_.qk.has_bias() ? w_.qk.bias(h * dh + e) : T(0);
+    for (Index e = 0; e < dv; ++e) pad[dh + e] = w_.v.has_bias() ? w_.v.bias(h * dv + e) : T(0);
+    job.qk_pad = pad;
+    job.v_pad = pad + dh;
+    const Index rho = opt_.rotations_per_head ? task : 0;  // b·H + h
+    if (call.rotations) {
+      job.rotation = call.rotations + rho * per;
+    } else {
+      T* rot = ws.local(worker, lsh_detail::s_rotation, per);
+      lsh_rotation<T>(opt_.seed, rho, per, rot);
+      job.rotation = rot;
+    }
+    job.padding = in.key_padding.empty() ? nullptr : in.key_padding.item(b);
+    return job;
+  }
+
+  void validate() const {
+    check_value(opt_.num_heads >= 1, kName, "num_heads", ">= 1", opt_.num_heads);
+    check_value(opt_.bucket_size >= 1, kName, "bucket_size", ">= 1", opt_.bucket_size);
+    check_value(opt_.n_hashes >= 1, kName, "n_hashes", ">= 1", opt_.n_hashes);
+    check_value(opt_.n_buckets == 0 || (opt_.n_buckets >= 2 && opt_.n_buckets % 2 == 0), kName, "n_buckets",
+                "0 (padded length / bucket_size) or an even number >= 2", opt_.n_buckets);
+    check_value(opt_.threads >= 1, kName, "threads", ">= 1", opt_.threads);
+    const Index H = opt_.num_heads, hdk = w_.qk.out_features(), hdv = w_.v.out_features();
+    if (hdk == 0 || hdk % H != 0)
+      detail::throw_shape(kName, "qk.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),
+                          detail::format_shape(shape_of(w_.qk.weight)));
+    check_value(embed_dim() >= 1, kName, "qk.weight columns (D)", ">= 1", embed_dim());
+    w_.qk.check(kName, "qk", hdk, embed_dim());
+    if (hdv == 0 || hdv % H != 0)
+      detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, D] with num_heads = " + std::to_string(H),
+                          detail::format_shape(shape_of(w_.v.weight)));
+    w_.v.check(kName, "v", hdv, embed_dim());
+    if (w_.o.empty() && w_.o.has_bias())
+      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
+                          detail::format_shape(shape_of(w_.o.weight)));
+    if (!w_.o.empty()) w_.o.check(kName, "o", w_.o.out_features(), hdv);
+    if (!w_.rotations.shape().empty()) {  // what is known before the call's B and T
+      const Index half = opt_.n_buckets > 0 ? opt_.n_buckets / 2 : -1;
+      check_shape(kName, "rotations", {opt_.rotations_per_head ? -1 : 1, head_dim(), opt_.n_hashes, half},
+                  w_.rotations.shape());
+    }
+  }
+
+  LshWeights<T> w_;
+  LshOptions opt_;
+};
+
+}  // namespace headmix

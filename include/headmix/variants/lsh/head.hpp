@@ -1,0 +1,367 @@
+// The per-(batch, head) work of LSH attention: hash, sort, and attend in
+// chunks. Internal to variants/lsh.hpp; the math is shared/conformance/lsh.md
+// section 3, whose step numbers the comments below use.
+//
+// The attention tensor of one head has the bucketed layout
+// [rounds · chunks, bs, 2·bs]: chunk c's bs query slots against the 2·bs key
+// slots of chunks c and c − 1. It goes through the same stages as the dense
+// pipeline, one chunk at a time:
+//
+//   score (one GEMM)  ──►  mask + softmax  ──►  readout (one GEMM)  ──►  merge rounds
+//
+// so memory is O(bs²) per chunk, plus O(n_hashes · Tp) integers for the
+// sort. Only when the dense weights are asked for are all chunks' tiles
+// kept ([rounds · chunks, bs, 2·bs], O(n_hashes · Tp · bs)), to be scattered
+// into [T, T] at the end.
+#pragma once
+
+#include "headmix/core/attention_tensor.hpp"
+#include "headmix/core/types.hpp"
+#include "headmix/core/workspace.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace headmix {
+
+/// The bucketed layout of one call: lengths, buckets and chunks.
+struct LshLayout {
+  Index length = 0;            ///< T
+  Index padded_length = 0;     ///< Tp: T rounded up to a multiple of 2 · bucket_size
+  Index bucket_size = 0;       ///< bs: the chunk length after sorting
+  Index n_buckets = 0;         ///< NB (even)
+  Index n_hashes = 0;          ///< NH: hash rounds
+  Index chunks_per_round = 0;  ///< Tp / bs (even, >= 2)
+  Index chunks = 0;            ///< NH · Tp / bs
+
+  Index slots() const { return n_hashes * padded_length; }
+  Index rotation_width() const { return n_hashes * (n_buckets / 2); }
+};
+
+namespace lsh_detail {
+
+using Int = std::int32_t;  // positions and slots: n_hashes · Tp < 2^31 is checked at the entry
+
+/// The logit of a query's own position (step 6d), and the masked value.
+template <class T>
+constexpr T self_logit() {
+  return T(-5e4);
+}
+template <class T>
+constexpr T masked_logit() {
+  return -std::numeric_limits<T>::infinity();  // same results as -max (lsh.md section 5)
+}
+
+/// Which of steps 6b-6f apply.
+struct Rules {
+  bool pair_mask = false;  ///< 6b: some position is invalid (key padding or autopad)
+  bool causal = false;     ///< 6c
+  bool across = true;      ///< attend_across_buckets (6e when false)
+  bool duplicates = true;  ///< allow_duplicate_attention (6f when false)
+};
+
+/// One (batch item, head): where its inputs are and where its outputs go.
+template <class T>
+struct HeadJob {
+  const T* qk = nullptr;  ///< row p < T at qk + p · qk_stride, head_dim values
+  Index qk_stride = 0;
+  const T* v = nullptr;   ///< row p < T at v + p · v_stride, value_dim values
+  Index v_stride = 0;
+  const T* qk_pad = nullptr;  ///< qk and v of every autopad position (x = 0)
+  const T* v_pad = nullptr;
+  const T* rotation = nullptr;        ///< [dh, NH · NB/2] row-major
+  const std::uint8_t* padding = nullptr;  ///< [T], 1 = padded; or null
+  T* context = nullptr;  ///< out: row p < T at context + p · context_stride
+  Index context_stride = 0;
+  T* probs = nullptr;    ///< out, optional: [T, T], zeroed by the caller
+  Index head_dim = 0, value_dim = 0;
+};
+
+/// Reinterpret a workspace slot as integer scratch. (The Workspace holds
+/// T; the bytes are only ever read back as Int.)
+template <class T>
+Int* local_ints(Workspace<T>& ws, int worker, std::size_t slot, Index count) {
+  static_assert(sizeof(T) >= sizeof(Int) && alignof(T) >= alignof(Int), "Int must fit in T's storage");
+  const Index n = (count * Index(sizeof(Int)) + Index(sizeof(T)) - 1) / Index(sizeof(T));
+  return reinterpret_cast<Int*>(ws.local(worker, slot, std::max<Index>(n, 1)));
+}
+
+/// Per-worker slots, after the pipeline's own local slots.
+enum : std::size_t {
+  s_hash = 8, s_kscale, s_query, s_key, s_value, s_logits, s_weights, s_out, s_row_stats, s_run_stats, s_pad_rows,
+  s_rotation, s_log_count, s_bucket, s_pos, s_chunk_of, s_counts, s_valid, s_key_meta, s_query_meta
+};
+
+/// Step 2's argmax over the NB-vector [u, −u], ties to the lowest index.
+template <class T>
+Int signed_argmax(const T* u, Index half) {
+  const Eigen::Map<const Vector<T>> seg(u, half);
+  const T hi = seg.maxCoeff(), lo = seg.minCoeff();
+  if (hi >= -lo) {  // the max of the first half is the max overall; the first half wins ties
+    for (Index k = 0; k < half; ++k)
+      if (u[k] == hi) return static_cast<Int>(k);
+  } else {
+    for (Index k = 0; k < half; ++k)
+      if (u[k] == lo) return static_cast<Int>(half + k);
+  }
+  return 0;  // only with NaN input
+}
+
+/// Step 2 for one head: bucket[r · Tp + p] in [0, NB) for every round r and
+/// position p < Tp. The rotations are applied as GEMMs on blocks of rows;
+/// autopad positions share one hash (their qk is the same row).
+template <class T>
+void hash_head(const HeadJob<T>& job, const LshLayout& L, Workspace<T>& ws, int worker, Int* bucket) {
+  constexpr Index kRows = 128;
+  const Index dh = job.head_dim, half = L.n_buckets / 2, width = L.rotation_width();
+  const Index T_ = L.length, Tp = L.padded_length;
+  const ConstMatrixMap<T> A(job.rotation, dh, width);
+  MatrixMap<T> U(ws.local(worker, s_hash, kRows * width), kRows, width);
+  auto assign = [&](Index row, Index p) {
+    for (Index r = 0; r < L.n_hashes; ++r) bucket[r * Tp + p] = signed_argmax(&U(row, r * half), half);
+  };
+  for (Index p0 = 0; p0 < T_; p0 += kRows) {
+    const Index rows = std::min(kRows, T_ - p0);
+    const ConstStridedMap<T> qk(job.qk + p0 * job.qk_stride, rows, dh, Eigen::OuterStride<>(job.qk_stride));
+    U.topRows(rows).noalias() = qk * A;
+    for (Index q = 0; q < rows; ++q) assign(q, p0 + q);
+  }
+  if (Tp > T_) {
+    U.topRows(1).noalias() = ConstMatrixMap<T>(job.qk_pad, 1, dh) * A;
+    assign(0, T_);
+    for (Index r = 0; r < L.n_hashes; ++r) std::fill(bucket + r * Tp + T_ + 1, bucket + (r + 1) * Tp, bucket[r * Tp + T_]);
+  }
+}
+
+/// Step 3: per round, positions ordered by (bucket, position) into slots
+/// r · Tp ...; a counting sort, stable in the position. With `chunk_of`,
+/// also the chunk of every (round, position).
+inline void sort_rounds(const LshLayout& L, const Int* bucket, Int* counts, Int* pos, Int* chunk_of) {
+  const Index Tp = L.padded_length, NB = L.n_buckets, bs = L.bucket_size;
+  for (Index r = 0; r < L.n_hashes; ++r) {
+    const Int* b = bucket + r * Tp;
+    std::fill(counts, counts + NB + 1, Int(0));
+    for (Index p = 0; p < Tp; ++p) ++counts[b[p] + 1];
+    for (Index k = 0; k < NB; ++k) counts[k + 1] += counts[k];
+    for (Index p = 0; p < Tp; ++p) {
+      const Index s = r * Tp + counts[b[p]]++;
+      pos[s] = static_cast<Int>(p);
+      if (chunk_of) chunk_of[r * Tp + p] = static_cast<Int>(s / bs);
+    }
+  }
+}
+
+/// Steps 1-8 for one (batch item, head): writes the head's output rows, and
+/// its dense weights when job.probs is set.
+template <class T>
+void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, Workspace<T>& ws, int worker) {
+  const Index T_ = L.length, Tp = L.padded_length, bs = L.bucket_size, NB = L.n_buckets, NH = L.n_hashes;
+  const Index NC = L.chunks, cpr = L.chunks_per_round, dh = job.head_dim, dv = job.value_dim;
+  const T neg = masked_logit<T>();
+  const bool keep_tiles = job.probs != nullptr;
+
+  // Steps 2-3: hash and sort.
+  Int* bucket = local_ints(ws, worker, s_bucket, NH * Tp);
+  Int* pos = local_ints(ws, worker, s_pos, NH * Tp);
+  Int* chunk_of = rules.duplicates ? nullptr : local_ints(ws, worker, s_chunk_of, NH * Tp);
+  hash_head(job, L, ws, worker, bucket);
+  sort_rounds(L, bucket, local_ints(ws, worker, s_counts, NB + 1), pos, chunk_of);
+
+  // Step 0 validity, and step 4's key scale 1 / (max(‖qk‖, 1e-12) · sqrt(dh))
+  // folded into one factor per position.
+  Int* valid = local_ints(ws, worker, s_valid, Tp);
+  T* kscale = ws.local(worker, s_kscale, Tp);
+  const T inv_sqrt_dh = T(1) / std::sqrt(T(dh));
+  auto key_scale = [&](const T* row) {
+    const T norm = Eigen::Map<const Vector<T>>(row, dh).norm();
+    return inv_sqrt_dh / std::max(norm, T(1e-12));
+  };
+  for (Index p = 0; p < T_; ++p) {
+    valid[p] = !(job.padding && job.padding[p]);
+    kscale[p] = key_scale(job.qk + p * job.qk_stride);
+  }
+  if (Tp > T_) {
+    const T pad_scale = key_scale(job.qk_pad);
+    std::fill(valid + T_, valid + Tp, Int(0));
+    std::fill(kscale + T_, kscale + Tp, pad_scale);
+  }
+
+  // Chunk buffers: rows [0, bs) hold chunk c, rows [bs, 2bs) chunk c − 1.
+  MatrixMap<T> Q(ws.local(worker, s_query, bs * dh), bs, dh);
+  MatrixMap<T> K(ws.local(worker, s_key, 2 * bs * dh), 2 * bs, dh);
+  MatrixMap<T> V(ws.local(worker, s_value, 2 * bs * dv), 2 * bs, dv);
+  Int* key_meta = local_ints(ws, worker, s_key_meta, 6 * bs);
+  Int* key_pos = key_meta;             // position of each key slot
+  Int* key_bucket = key_meta + 2 * bs;  // its global bucket r · NB + bucket
+  Int* key_valid = key_meta + 4 * bs;
+  const Index tiles = keep_tiles ? NC : 1;
+  const AttentionTensor<T> logits(ws.local(worker, s_logits, bs * 2 * bs), 1, bs, 2 * bs);
+  const AttentionTensor<T> weights(ws.local(worker, s_weights, tiles * bs * 2 * bs), tiles, bs, 2 * bs);
+  T* row_stats = ws.local(worker, s_row_stats, 2 * tiles * bs);  // per query slot: max, then sum
+  T* run_stats = ws.local(worker, s_run_stats, 2 * Tp);          // per position: running max, running sum
+  MatrixMap<T> O(ws.local(worker, s_out, bs * dv), bs, dv);
+  Int* query_meta = rules.duplicates ? nullptr : local_ints(ws, worker, s_query_meta, 4 * NH);
+
+  auto gather = [&](Index c, Index off) {
+    for (Index q = 0; q < bs; ++q) {
+      const Index s = c * bs + q, p = pos[s], r = s / Tp;
+      const T* qk = p < T_ ? job.qk + p * job.qk_stride : job.qk_pad;
+      const T* v = p < T_ ? job.v + p * job.v_stride : job.v_pad;
+      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> qk_row(qk, dh);
+      if (off == 0) Q.row(q) = qk_row;
+      K.row(off + q) = qk_row * kscale[p];
+      V.row(off + q) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(v, dv);
+      key_pos[off + q] = static_cast<Int>(p);
+      key_bucket[off + q] = static_cast<Int>(r * NB + bucket[r * Tp + p]);
+      key_valid[off + q] = valid[p];
+    }
+  };
+  // The previous chunk becomes the look-back half.
+  auto shift = [&] {
+    std::copy_n(K.data(), bs * dh, K.data() + bs * dh);
+    std::copy_n(V.data(), bs * dv, V.data() + bs * dv);
+    for (Int* meta : {key_pos, key_bucket, key_valid}) std::copy_n(meta, bs, meta + bs);
+  };
+
+  // Step 6f's count N(i, j): over rounds r, the slots of query i's round-r
+  // window (its chunk and the one before it, cyclic over all NC chunks)
+  // that hold j, in i's bucket unless attending across buckets.
+  T* log_count = rules.duplicates ? nullptr : ws.local(worker, s_log_count, 2 * NH + 1);
+  if (log_count)
+    for (Index n = 0; n <= 2 * NH; ++n) log_count[n] = static_cast<T>(std::log(double(n) + 1e-9));
+  auto duplicate_count = [&](Index j) {
+    Int n = 0;
+    for (Index r = 0; r < NH; ++r) {
+      const Int ci = query_meta[r], pc = query_meta[NH + r], rr = query_meta[2 * NH + r], bi = query_meta[3 * NH + r];
+      n += chunk_of[r * Tp + j] == ci && (rules.across || bucket[r * Tp + j] == bi);
+      n += chunk_of[rr * Tp + j] == pc && (rules.across || (rr == r && bucket[r * Tp + j] == bi));
+    }
+    return n;
+  };
+
+  // Step 6: logits of chunk c in place, rules in the spec's order.
+  auto mask = [&](Eigen::Map<Matrix<T>> tile) {
+    const Index cols = 2 * bs;
+    for (Index q = 0; q < bs; ++q) {
+      T* row = &tile(q, 0);
+      const Int i = key_pos[q], gi = key_bucket[q];
+      if (rules.pair_mask) {  // b
+        if (!key_valid[q]) std::fill(row, row + cols, neg);
+        else
+          for (Index t = 0; t < cols; ++t) row[t] = key_valid[t] ? row[t] : neg;
+      }
+      if (rules.causal)  // c
+        for (Index t = 0; t < cols; ++t) row[t] = key_pos[t] > i ? neg : row[t];
+      for (Index t = 0; t < cols; ++t) row[t] = key_pos[t] == i ? self_logit<T>() : row[t];  // d
+      if (!rules.across)  // e
+        for (Index t = 0; t < cols; ++t) row[t] = key_bucket[t] != gi ? neg : row[t];
+      if (!rules.duplicates) {  // f
+        for (Index r = 0; r < NH; ++r) {
+          const Int ci = chunk_of[r * Tp + i], pc = static_cast<Int>((ci + NC - 1) % NC);
+          query_meta[r] = ci;
+          query_meta[NH + r] = pc;
+          query_meta[2 * NH + r] = static_cast<Int>(pc / cpr);
+          query_meta[3 * NH + r] = bucket[r * Tp + i];
+        }
+        for (Index t = 0; t < cols; ++t)
+          if (row[t] != neg) row[t] -= log_count[duplicate_count(key_pos[t])];
+      }
+    }
+  };
+  const bool has_masked = rules.pair_mask || rules.causal || !rules.across;
+
+  // Step 7: max-subtracted softmax per row, normalised as e / Σe (in float
+  // the exp(x − logsumexp) form loses ~ulp(5e4) in self-only rows). The row
+  // max and sum are kept: step 8 weighs the rounds by them.
+  auto softmax = [&](Eigen::Map<Matrix<T>> in, Eigen::Map<Matrix<T>> out, T* row_max, T* row_sum) {
+    for (Index q = 0; q < bs; ++q) {
+      const T m = in.row(q).maxCoeff();
+      if (!(m > neg)) {  // no admissible key: cannot happen (6d), but never NaN
+        out.row(q).setZero();
+        row_max[q] = neg, row_sum[q] = 0;
+        continue;
+      }
+      out.row(q) = (in.row(q).array() - m).exp().matrix();
+      if (has_masked) {  // vectorised exp clamps its argument: exp(-inf) comes out ~1e-38, not 0
+        const T* l = &in(q, 0);
+        T* e = &out(q, 0);
+        for (Index t = 0; t < 2 * bs; ++t) e[t] = l[t] == neg ? T(0) : e[t];
+      }
+      const T s = out.row(q).sum();
+      out.row(q) *= T(1) / s;
+      row_max[q] = m, row_sum[q] = s;
+    }
+  };
+
+  // Step 8, online over the rounds: per position, acc = Σ_r s_r e^{m_r − M} o_r
+  // and S = Σ_r s_r e^{m_r − M} with M the largest row max so far, i.e. the
+  // rounds weighted by exp(lse_r) without ever forming lse_r = m_r + log s_r
+  // (which rounds to ulp(5e4) in float).
+  T* run_max = run_stats;
+  T* run_sum = run_stats + Tp;
+  std::fill(run_max, run_max + Tp, neg);
+  std::fill(run_sum, run_sum + Tp, T(0));
+  for (Index p = 0; p < T_; ++p)
+    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(job.context + p * job.context_stride, dv).setZero();
+  auto merge = [&](const T* row_max, const T* row_sum) {
+    for (Index q = 0; q < bs; ++q) {
+      const Index i = key_pos[q];
+      if (i >= T_ || row_sum[q] == T(0)) continue;  // autopad queries are sliced off
+      Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> acc(job.context + i * job.context_stride, dv);
+      const T m = row_max[q];
+      if (m > run_max[i]) {
+        const T a = std::exp(run_max[i] - m);
+        acc *= a;
+        run_sum[i] *= a;
+        run_max[i] = m;
+      }
+      const T w = row_sum[q] * std::exp(m - run_max[i]);
+      acc += w * O.row(q);
+      run_sum[i] += w;
+    }
+  };
+
+  gather(NC - 1, bs);  // chunk 0 looks back at the last chunk of the last round
+  for (Index c = 0; c < NC; ++c) {
+    if (c > 0) shift();
+    gather(c, 0);
+    const Index tile = keep_tiles ? c : 0;
+    T* row_max = row_stats + 2 * tile * bs;
+    T* row_sum = row_max + bs;
+    logits.head(0).noalias() = Q * K.transpose();  // score
+    mask(logits.head(0));
+    softmax(logits.head(0), weights.head(tile), row_max, row_sum);
+    O.noalias() = weights.head(tile) * V;  // readout
+    merge(row_max, row_sum);
+  }
+  for (Index p = 0; p < T_; ++p)
+    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(job.context + p * job.context_stride, dv) *= T(1) / run_sum[p];
+
+  if (!keep_tiles) return;
+  // Section 4: P[i, j] = Σ_r w_r(i) Σ_{slots t of row (r, i) holding j} p_t.
+  for (Index c = 0; c < NC; ++c) {
+    const Index prev = (c + NC - 1) % NC;
+    const auto tile = weights.head(c);
+    const T* row_max = row_stats + 2 * c * bs;
+    const T* row_sum = row_max + bs;
+    for (Index q = 0; q < bs; ++q) {
+      const Index i = pos[c * bs + q];
+      if (i >= T_ || row_sum[q] == T(0)) continue;
+      const T f = row_sum[q] * std::exp(row_max[q] - run_max[i]) / run_sum[i];
+      T* out = job.probs + i * T_;
+      for (Index t = 0; t < bs; ++t) {
+        const Index j = pos[c * bs + t];
+        if (j < T_) out[j] += f * tile(q, t);
+      }
+      for (Index t = 0; t < bs; ++t) {
+        const Index j = pos[prev * bs + t];
+        if (j < T_) out[j] += f * tile(q, bs + t);
+      }
+    }
+  }
+}
+
+}  // namespace lsh_detail
+}  // namespace headmix

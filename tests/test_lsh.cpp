@@ -1,0 +1,1079 @@
+// Lsh<T> against the naive double reference (tests/reference/lsh_reference.hpp,
+// written from shared/conformance/lsh.md), the seeded rotation generator,
+// and the layer's argument checks (the BadInput suite).
+//
+// Expectations come from the reference (or from an independent
+// re-implementation, for the generator), never from headmix itself. Inputs,
+// weights and rotations are drawn in T and handed to the reference widened
+// to double, so a comparison measures only the layer's arithmetic.
+//
+// Hashing is discontinuous: a float run matches only if it picks the
+// reference's buckets. make_problem() redraws the rotations until every
+// argmax of the reference has a relative gap of at least 1e-5 between its
+// top two entries (float's error in those entries is ~1e-6), as the
+// conformance cases do, and every test checks the buckets too.
+//
+// Tolerance, element-wise: |got - want| <= atol + rtol * |want|
+//   double: rtol 1e-10, atol 1e-12. Each value is a few dot products of
+//           <= 64 terms and a softmax; self-only rows (logits −5e4) are
+//           computed without forming lse = max + log(sum), so no ulp(5e4)
+//           error enters. A few hundred roundings of 1.1e-16 at most.
+//   float:  rtol 2e-4, atol 2e-5: the same with float's 6e-8, where a
+//           logit error passes at most twice over into a weight.
+
+#include "headmix/headmix.hpp"
+#include "reference/lsh_reference.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+using Rng = std::mt19937;
+
+// ---------------------------------------------------------------------------
+// Random problems
+
+double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
+
+template <class T>
+Matrix<T> normal_matrix(Rng& rng, Index rows, Index cols, double stddev) {
+  std::normal_distribution<double> n(0.0, stddev);
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(n(rng));
+  return m;
+}
+
+/// One test problem, the weights distributed as in lsh.md section 9.
+struct Shape {
+  int B = 2, T = 16, D = 16, H = 2, dh = 8, dv = 8, out = 12;
+  int bs = 4, NH = 2, NB = 0;
+  bool causal = false, across = true, dup = true, per_head = false;
+  bool qkv_bias = false;  // biases on qk and v (the reference has none)
+  bool out_proj = true, out_bias = true;
+  double pad_rate = 0;    // chance that each position is key-padded
+  int threads = 1;
+
+  int out_dim() const { return out_proj ? out : H * dv; }
+  int Tp() const { return (T + 2 * bs - 1) / (2 * bs) * (2 * bs); }
+  int n_buckets() const { return NB > 0 ? NB : Tp() / bs; }
+};
+
+std::string describe(const Shape& s) {
+  std::ostringstream o;
+  o << "B=" << s.B << " T=" << s.T << " (Tp=" << s.Tp() << ") D=" << s.D << " H=" << s.H << " dh=" << s.dh
+    << " dv=" << s.dv << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " bs=" << s.bs
+    << " NH=" << s.NH << " NB=" << s.n_buckets() << " causal=" << s.causal << " across=" << s.across
+    << " dup=" << s.dup << " per_head=" << s.per_head << " qkv_bias=" << s.qkv_bias << " pad_rate=" << s.pad_rate
+    << " threads=" << s.threads;
+  return o.str();
+}
+
+template <class T>
+headmix_ref::LshRefLinear to_ref(const headmix::Linear<T>& lin) {
+  headmix_ref::LshRefLinear r;
+  if (lin.empty()) return r;
+  r.out = static_cast<int>(lin.weight.rows());
+  r.in = static_cast<int>(lin.weight.cols());
+  for (Index i = 0; i < lin.weight.size(); ++i) r.weight.push_back(static_cast<double>(lin.weight.data()[i]));
+  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
+  return r;
+}
+
+template <class T>
+std::vector<double> to_vector(const T* data, Index n) {
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = static_cast<double>(data[i]);
+  return v;
+}
+
+template <class T>
+struct Problem {
+  Shape s;
+  headmix::LshWeights<T> w;          // with explicit rotations
+  Matrix<T> x;                       // [B*T, D]
+  std::vector<std::uint8_t> padding;  // [B, T] or empty
+
+  headmix::LshOptions options() const {
+    headmix::LshOptions o;
+    o.num_heads = s.H;
+    o.bucket_size = s.bs;
+    o.n_hashes = s.NH;
+    o.n_buckets = s.NB;
+    o.causal = s.causal;
+    o.attend_across_buckets = s.across;
+    o.allow_duplicate_attention = s.dup;
+    o.rotations_per_head = s.per_head;
+    o.threads = s.threads;
+    return o;
+  }
+  headmix::Lsh<T> layer() const { return headmix::Lsh<T>(w, options()); }
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(x.data(), s.B, s.T, s.D);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.T};
+    return in;
+  }
+  headmix_ref::LshRefWeights ref_weights() const {
+    return {to_ref(w.qk), to_ref(w.v), to_ref(w.o), to_vector(w.rotations.data(), w.rotations.size())};
+  }
+  headmix_ref::LshRefOptions ref_options() const {
+    headmix_ref::LshRefOptions o;
+    o.num_heads = s.H;
+    o.bucket_size = s.bs;
+    o.n_hashes = s.NH;
+    o.n_buckets = s.NB;
+    o.causal = s.causal;
+    o.attend_across_buckets = s.across;
+    o.allow_duplicate_attention = s.dup;
+    o.rotations_per_head = s.per_head;
+    return o;
+  }
+  headmix_ref::LshRefResult reference(bool hash_only = false, bool per_round_count = false) const {
+    auto o = ref_options();
+    o.per_round_duplicate_count = per_round_count;
+    return headmix_ref::lsh_reference(ref_weights(), o, s.B, s.T, s.D, to_vector(x.data(), x.size()), padding,
+                                      hash_only);
+  }
+  headmix_ref::LshRefResult full_reference() const {
+    return headmix_ref::full_shared_qk_reference(ref_weights(), ref_options(), s.B, s.T, s.D,
+                                                 to_vector(x.data(), x.size()), padding);
+  }
+};
+
+template <class T>
+constexpr double kHashMargin = std::is_same_v<T, float> ? 1e-5 : 1e-10;
+
+template <class T>
+Tensor<T> random_rotations(Rng& rng, const Shape& s) {
+  Tensor<T> rot({s.per_head ? s.B * s.H : 1, s.dh, s.NH, s.n_buckets() / 2});
+  std::normal_distribution<double> n(0.0, 1.0);
+  for (Index i = 0; i < rot.size(); ++i) rot[i] = static_cast<T>(n(rng));
+  return rot;
+}
+
+template <class T>
+Problem<T> make_problem(const Shape& s, unsigned seed) {
+  Rng rng(seed);
+  Problem<T> p;
+  p.s = s;
+  p.w.qk.weight = normal_matrix<T>(rng, s.H * s.dh, s.D, 1.5 / std::sqrt(double(s.D)));
+  p.w.v.weight = normal_matrix<T>(rng, s.H * s.dv, s.D, 1.0 / std::sqrt(double(s.D)));
+  if (s.qkv_bias) {
+    p.w.qk.bias = normal_matrix<T>(rng, s.H * s.dh, 1, 0.5);
+    p.w.v.bias = normal_matrix<T>(rng, s.H * s.dv, 1, 0.5);
+  }
+  if (s.out_proj) {
+    p.w.o.weight = normal_matrix<T>(rng, s.out, s.H * s.dv, 1.0 / std::sqrt(double(s.H * s.dv)));
+    if (s.out_bias) p.w.o.bias = normal_matrix<T>(rng, s.out, 1, 0.1);
+  }
+  p.x = normal_matrix<T>(rng, s.B * s.T, s.D, 1.0);
+  if (s.pad_rate > 0) {
+    p.padding.resize(static_cast<std::size_t>(s.B) * s.T);
+    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
+  }
+  for (int attempt = 0;; ++attempt) {  // see the file comment
+    p.w.rotations = random_rotations<T>(rng, s);
+    const double margin = p.reference(true).min_hash_margin;
+    if (margin >= kHashMargin<T>) break;
+    if (attempt == 200) throw std::runtime_error("make_problem: no rotation with a safe hash margin");
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing
+
+template <class T>
+struct Result {
+  Tensor<T> out, probs;
+};
+
+template <class T>
+Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws, bool with_probs = true) {
+  Result<T> r;
+  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
+  p.layer().forward(p.input(), r.out.batch(), ws, with_probs ? &r.probs : nullptr);
+  return r;
+}
+
+template <class T>
+Result<T> run(const Problem<T>& p, bool with_probs = true) {
+  headmix::Workspace<T> ws;
+  return run(p, ws, with_probs);
+}
+
+struct Tolerance {
+  double rtol, atol;
+};
+template <class T>
+Tolerance default_tolerance() {
+  return std::is_same_v<T, float> ? Tolerance{2e-4, 2e-5} : Tolerance{1e-10, 1e-12};
+}
+
+template <class T>
+::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
+                                     Tolerance tol) {
+  if (n != want.size())
+    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
+  std::size_t bad = 0, first = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
+    if (!(err <= allowed)) {  // also catches NaN
+      if (bad++ == 0) first = i;
+      worst = std::max(worst, err / allowed);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
+                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
+                                       << want[first] << "; worst error / allowed = " << worst;
+}
+template <class T>
+::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
+                                     Tolerance tol) {
+  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
+}
+
+template <class T>
+::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
+  for (Index i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
+      return ::testing::AssertionFailure() << what << ": first difference at " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+template <class T>
+::testing::AssertionResult same_buckets(const Problem<T>& p, const headmix_ref::LshRefResult& want) {
+  headmix::Workspace<T> ws;
+  const Tensor<std::int64_t> got = p.layer().buckets(p.input(), ws);
+  const std::vector<Index> shape{p.s.B, p.s.H, p.s.NH, p.s.Tp()};
+  if (got.shape() != shape) return ::testing::AssertionFailure() << "buckets shape differs";
+  for (Index i = 0; i < got.size(); ++i)
+    if (got[i] != want.buckets[static_cast<std::size_t>(i)])
+      return ::testing::AssertionFailure() << "bucket " << i << ": got " << got[i] << ", want "
+                                           << want.buckets[static_cast<std::size_t>(i)];
+  return ::testing::AssertionSuccess();
+}
+
+/// Buckets, output and dense weights against the reference.
+template <class T>
+void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.s));
+  const headmix_ref::LshRefResult want = p.reference();
+  ASSERT_TRUE(same_buckets(p, want));
+  const Result<T> got = run(p);
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.T}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+  const Result<T> without_probs = run(p, false);  // the path that keeps no tiles
+  EXPECT_TRUE(all_close("output without probs", without_probs.out, want.output, tol));
+}
+
+template <class T>
+class LshTest : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(LshTest, Scalars);
+
+// ---------------------------------------------------------------------------
+// Against the reference, option by option
+
+TYPED_TEST(LshTest, Basic) {
+  Shape s;
+  s.B = 1, s.T = 16, s.NH = 1;
+  expect_matches_reference(make_problem<TypeParam>(s, 1));
+  s.B = 2, s.T = 32, s.NH = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 2));
+  s.T = 64, s.bs = 8, s.NH = 3, s.H = 3;
+  expect_matches_reference(make_problem<TypeParam>(s, 3));
+}
+
+TYPED_TEST(LshTest, Causal) {
+  Shape s;
+  s.causal = true, s.T = 32, s.NH = 2, s.H = 4;
+  expect_matches_reference(make_problem<TypeParam>(s, 4));
+  s.NH = 4, s.bs = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 5));
+}
+
+TYPED_TEST(LshTest, KeyPadding) {
+  Shape s;
+  s.T = 32, s.NH = 3, s.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 6));
+  auto p = make_problem<TypeParam>(s, 7);
+  p.padding.assign(static_cast<std::size_t>(s.B) * s.T, 0);
+  for (int j = 28; j < 32; ++j) p.padding[j] = 1;       // item 0: a padded tail
+  for (int j = 12; j < 32; ++j) p.padding[32 + j] = 1;  // item 1: mostly padding
+  expect_matches_reference(p);
+}
+
+// Lengths that are not a multiple of 2·bs: pad, mask, slice back.
+TYPED_TEST(LshTest, Autopad) {
+  for (int T : {9, 13, 20, 23}) {
+    Shape s;
+    s.T = T, s.NH = 2;
+    expect_matches_reference(make_problem<TypeParam>(s, 10 + static_cast<unsigned>(T)));
+    s.causal = true, s.pad_rate = 0.2;
+    expect_matches_reference(make_problem<TypeParam>(s, 40 + static_cast<unsigned>(T)));
+  }
+}
+
+TYPED_TEST(LshTest, RotationsPerHead) {
+  Shape s;
+  s.per_head = true, s.T = 24, s.B = 2, s.H = 3, s.NH = 2, s.causal = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 8));
+  s.causal = false, s.T = 20, s.pad_rate = 0.2;
+  expect_matches_reference(make_problem<TypeParam>(s, 9));
+}
+
+TYPED_TEST(LshTest, SameBucketOnly) {
+  Shape s;
+  s.across = false, s.T = 32, s.NH = 3;
+  expect_matches_reference(make_problem<TypeParam>(s, 70));
+  s.causal = true, s.pad_rate = 0.25, s.T = 27;
+  expect_matches_reference(make_problem<TypeParam>(s, 71));
+}
+
+TYPED_TEST(LshTest, NoDuplicatesSameBucket) {
+  Shape s;
+  s.dup = false, s.across = false, s.T = 32, s.NH = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 72));
+  s.NH = 4, s.causal = true, s.pad_rate = 0.2;
+  expect_matches_reference(make_problem<TypeParam>(s, 73));
+}
+
+// allow_duplicate_attention = false with attend_across_buckets = true: the
+// case whose reference count is defective (lsh.md step 6f). headmix counts
+// the slots really attended; the per-round count of the reference differs
+// in the first chunk of every round, and these problems show it.
+TYPED_TEST(LshTest, NoDuplicatesAcrossBucketsUsesCorrectedCount) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(3);
+  shapes[0].dup = false, shapes[0].T = 32, shapes[0].NH = 2;
+  shapes[1].dup = false, shapes[1].T = 24, shapes[1].NH = 4, shapes[1].causal = true, shapes[1].pad_rate = 0.2;
+  shapes[2].dup = false, shapes[2].T = 64, shapes[2].bs = 8, shapes[2].NH = 3, shapes[2].per_head = true;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<T>(shapes[n], 80 + static_cast<unsigned>(n));
+    expect_matches_reference(p);
+    // The defective count would move the output far beyond the tolerance.
+    const headmix_ref::LshRefResult defect = p.reference(false, true);
+    const Result<T> got = run(p, false);
+    double diff = 0;
+    for (Index i = 0; i < got.out.size(); ++i)
+      diff = std::max(diff, std::abs(static_cast<double>(got.out[i]) - defect.output[static_cast<std::size_t>(i)]));
+    EXPECT_GT(diff, 1e-2) << describe(p.s);
+  }
+}
+
+TYPED_TEST(LshTest, CustomBucketCount) {
+  for (int NB : {2, 4, 6, 16}) {  // Tp / bs = 8 by default
+    Shape s;
+    s.T = 32, s.NB = NB, s.NH = 2, s.causal = NB == 6;
+    expect_matches_reference(make_problem<TypeParam>(s, 90 + static_cast<unsigned>(NB)));
+  }
+  Shape s;
+  s.T = 20, s.NB = 4, s.dup = false, s.across = false, s.NH = 3;  // autopad too
+  expect_matches_reference(make_problem<TypeParam>(s, 99));
+}
+
+// head_dim != D / H, value dim != head dim, biases on qk and v (so autopad
+// rows carry the biases), no output projection, an output without bias.
+TYPED_TEST(LshTest, HeadDimsBiasesAndOutputForms) {
+  Shape s;
+  s.D = 12, s.H = 3, s.dh = 6, s.dv = 5, s.out = 7, s.T = 18, s.qkv_bias = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 100));
+  s.out_proj = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 101));
+  s.out_proj = true, s.out_bias = false, s.qkv_bias = false, s.H = 1, s.dh = 16, s.dv = 3;
+  expect_matches_reference(make_problem<TypeParam>(s, 102));
+}
+
+TYPED_TEST(LshTest, ManyRoundsLongerSequence) {
+  Shape s;
+  s.B = 1, s.T = 250, s.bs = 8, s.NH = 8, s.H = 2, s.dh = 16, s.dv = 16, s.D = 32, s.causal = true, s.pad_rate = 0.1;
+  expect_matches_reference(make_problem<TypeParam>(s, 110));
+}
+
+// Zero rows of x give qk = 0: hashed to bucket 0 (all-equal argmax vector),
+// key norm clamped at 1e-12 (a zero key, logit 0).
+TYPED_TEST(LshTest, ZeroQueryKeyRows) {
+  Shape s;
+  s.T = 24, s.NH = 2;
+  auto p = make_problem<TypeParam>(s, 120);
+  for (Index r : {Index(0), Index(5), Index(6), Index(30)}) p.x.row(r).setZero();
+  expect_matches_reference(p);
+}
+
+// ---------------------------------------------------------------------------
+// Documented behaviours
+
+// A sequence of at most 2·bs positions (shorter than one bucket included)
+// is one padded length of 2·bs. Every query's windows then cover all
+// positions, so with one round, or with duplicates divided out, LSH is
+// full shared-QK attention (self −5e4 after the masks). One round: exactly.
+// Duplicates divided out: up to the 1e-9 in log(N + 1e-9), which scales
+// each weight by 1 − 1e-9 / N, N in [1, 2·NH]: weights move by < 1e-9
+// relative, outputs (|v|, |W_o| row sums O(1)) by < ~2e-9. Double: rtol
+// and atol 1e-8 for that comparison; float keeps its default.
+TYPED_TEST(LshTest, ShortSequenceIsFullAttention) {
+  using T = TypeParam;
+  const Tolerance vs_full = std::is_same_v<T, float> ? default_tolerance<T>() : Tolerance{1e-8, 1e-8};
+  for (int T_ : {1, 3, 8, 11, 16}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      Shape s;
+      s.bs = 8, s.T = T_, s.NH = variant == 0 ? 1 : 3, s.dup = variant == 0;
+      s.causal = variant == 2, s.pad_rate = variant == 2 ? 0.3 : 0;
+      const auto p = make_problem<T>(s, 130 + static_cast<unsigned>(T_ * 3 + variant));
+      SCOPED_TRACE(describe(p.s));
+      const headmix_ref::LshRefResult full = p.full_reference();
+      const Result<T> got = run(p);
+      const Tolerance tol = s.dup ? default_tolerance<T>() : vs_full;
+      EXPECT_TRUE(all_close("output vs full attention", got.out, full.output, tol));
+      EXPECT_TRUE(all_close("probs vs full attention", got.probs, full.probs, tol));
+      expect_matches_reference(p);
+    }
+  }
+}
+
+// A padded query attends only to itself (steps 6b, 6d): a batch item that
+// is all padding gives head outputs v_i, weights = identity, nothing NaN.
+// (No LSH row is ever fully masked: its own slot always has logit −5e4.)
+TYPED_TEST(LshTest, PaddedQueriesAttendOnlyToThemselves) {
+  using T = TypeParam;
+  Shape s;
+  s.B = 2, s.T = 12, s.NH = 3, s.out_proj = false, s.causal = true;
+  auto p = make_problem<T>(s, 140);
+  p.padding.assign(static_cast<std::size_t>(s.B) * s.T, 0);
+  std::fill(p.padding.begin() + s.T, p.padding.end(), 1);  // item 1
+  p.padding[3] = 1;
+  expect_matches_reference(p);
+  const Result<T> got = run(p);
+  for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
+  const Matrix<double> v = p.x.template cast<double>() * p.w.v.weight.template cast<double>().transpose();
+  const Tolerance tol = default_tolerance<T>();
+  for (int b = 0; b < s.B; ++b)
+    for (int i = 0; i < s.T; ++i) {
+      if (!p.padding[static_cast<std::size_t>(b * s.T + i)]) continue;
+      for (int c = 0; c < s.H * s.dv; ++c)
+        EXPECT_NEAR(got.out[(b * s.T + i) * s.H * s.dv + c], v(b * s.T + i, c), tol.atol + tol.rtol * std::abs(v(b * s.T + i, c)));
+      for (int h = 0; h < s.H; ++h)
+        for (int j = 0; j < s.T; ++j)
+          EXPECT_NEAR(got.probs[((b * s.H + h) * s.T + i) * s.T + j], i == j ? 1.0 : 0.0, tol.atol);
+    }
+}
+
+// Under causal masking position 0 has no key but itself: weight exactly 1.
+TYPED_TEST(LshTest, CausalFirstPositionAttendsToItself) {
+  using T = TypeParam;
+  Shape s;
+  s.causal = true, s.T = 16, s.NH = 2;
+  const auto p = make_problem<T>(s, 150);
+  const Result<T> got = run(p);
+  for (int b = 0; b < s.B; ++b)
+    for (int h = 0; h < s.H; ++h) {
+      EXPECT_EQ(got.probs[((b * s.H + h) * s.T) * s.T], T(1));
+      for (int j = 1; j < s.T; ++j) EXPECT_EQ(got.probs[((b * s.H + h) * s.T) * s.T + j], T(0));
+    }
+}
+
+// The dense weights: rows sum to 1 and head_h = P_h V_h (section 4).
+TYPED_TEST(LshTest, ProbsAreTheEffectiveWeights) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 28, s.NH = 3, s.out_proj = false, s.pad_rate = 0.2;
+  const auto p = make_problem<T>(s, 160);
+  const Result<T> got = run(p);
+  const Matrix<double> v = p.x.template cast<double>() * p.w.v.weight.template cast<double>().transpose();
+  const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+  for (int b = 0; b < s.B; ++b)
+    for (int h = 0; h < s.H; ++h)
+      for (int i = 0; i < s.T; ++i) {
+        const T* row = got.probs.data() + ((b * s.H + h) * s.T + i) * s.T;
+        double sum = 0;
+        for (int j = 0; j < s.T; ++j) {
+          EXPECT_GE(row[j], T(0));
+          sum += row[j];
+        }
+        EXPECT_NEAR(sum, 1.0, tol);
+        for (int e = 0; e < s.dv; ++e) {
+          double pv = 0;
+          for (int j = 0; j < s.T; ++j) pv += row[j] * v(b * s.T + j, h * s.dv + e);
+          EXPECT_NEAR(got.out[(b * s.T + i) * s.H * s.dv + h * s.dv + e], pv, 10 * tol);
+        }
+      }
+}
+
+// ---------------------------------------------------------------------------
+// Threads, workspace, rotations from a seed, entry points
+
+// (batch, head) tasks are the unit of work; their arithmetic does not depend
+// on the worker, so neither may a bit of the result.
+TYPED_TEST(LshTest, ThreadCountDoesNotChangeBits) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(2);
+  shapes[0].B = 3, shapes[0].H = 2, shapes[0].T = 30, shapes[0].NH = 3, shapes[0].causal = true,
+  shapes[0].pad_rate = 0.2, shapes[0].per_head = true;
+  shapes[1].B = 2, shapes[1].H = 3, shapes[1].T = 300, shapes[1].bs = 8, shapes[1].NH = 2, shapes[1].dup = false;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    auto p = make_problem<T>(shapes[n], 170 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    for (bool seeded : {false, true}) {
+      auto q = p;
+      if (seeded) q.w.rotations = Tensor<T>();  // per-head rotations drawn inside the tasks
+      const Result<T> one = run(q);
+      for (int threads : {2, 3}) {
+        q.s.threads = threads;
+        const Result<T> many = run(q);
+        EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads, seeded " << seeded;
+        EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads, seeded " << seeded;
+      }
+    }
+    if (n == 0) expect_matches_reference(p);
+  }
+}
+
+// One Workspace through calls of growing, shrinking and differently shaped
+// problems gives what a fresh one gives, bit for bit.
+TYPED_TEST(LshTest, WorkspaceReusedAcrossShapes) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(4);
+  shapes[0].B = 3, shapes[0].T = 40, shapes[0].NH = 3, shapes[0].pad_rate = 0.3, shapes[0].dup = false;
+  shapes[1].B = 1, shapes[1].T = 5, shapes[1].H = 1, shapes[1].dh = 3, shapes[1].dv = 2;
+  shapes[2].T = 20, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].across = false;
+  shapes[3].B = 2, shapes[3].T = 64, shapes[3].bs = 8, shapes[3].NH = 4, shapes[3].out_proj = false;
+  headmix::Workspace<T> ws;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<T>(shapes[n], 180 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    for (bool with_probs : {true, false}) {
+      const Result<T> reused = run(p, ws, with_probs);
+      const Result<T> fresh = run(p, with_probs);
+      EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
+      EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
+    }
+    EXPECT_TRUE(all_close("output", run(p, ws).out, p.reference().output, default_tolerance<T>()));
+  }
+}
+
+// A seeded layer uses exactly lsh_rotations(seed, ...) (shared, or one per
+// (batch, head) with index b·H + h); another seed draws other rotations.
+TYPED_TEST(LshTest, SeededRotationsAreThePublicOnes) {
+  using T = TypeParam;
+  for (bool per_head : {false, true}) {
+    Shape s;
+    s.T = 20, s.NH = 3, s.per_head = per_head, s.B = 2, s.H = 2;
+    auto explicit_p = make_problem<T>(s, 190);
+    auto seeded_p = explicit_p;
+    seeded_p.w.rotations = Tensor<T>();
+    headmix::Lsh<T> seeded(seeded_p.w, seeded_p.options());
+    seeded.options().seed = 1234;
+    explicit_p.w.rotations = headmix::lsh_rotations<T>(1234, per_head ? s.B * s.H : 1, s.dh, s.NH, s.n_buckets());
+    EXPECT_EQ(explicit_p.w.rotations.shape(), seeded.rotation_shape(s.B, s.T));
+    headmix::Workspace<T> ws;
+    const Tensor<T> a = seeded.forward(seeded_p.input(), ws);
+    const Tensor<T> b = explicit_p.layer().forward(explicit_p.input(), ws);
+    EXPECT_TRUE(bit_identical("seeded vs explicit", a, b)) << "per_head " << per_head;
+    seeded.options().seed = 1235;
+    const Tensor<T> c = seeded.forward(seeded_p.input(), ws);
+    double diff = 0;
+    for (Index i = 0; i < a.size(); ++i) diff = std::max(diff, std::abs(double(a[i]) - double(c[i])));
+    EXPECT_GT(diff, 1e-3) << "another seed should hash differently";
+  }
+}
+
+TYPED_TEST(LshTest, ProbsOutputResizedAndFullyWritten) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 18, s.NH = 2, s.causal = true, s.pad_rate = 0.2;
+  const auto p = make_problem<T>(s, 200);
+  const headmix_ref::LshRefResult want = p.reference();
+  for (const std::vector<Index>& stale : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
+    Tensor<T> probs(stale);
+    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
+    Tensor<T> out({s.B, s.T, s.out});
+    headmix::Workspace<T> ws;
+    p.layer().forward(p.input(), out.batch(), ws, &probs);
+    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.H, s.T, s.T}));
+    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
+  }
+}
+
+TYPED_TEST(LshTest, AllocatingAndSingleSequenceForward) {
+  using T = TypeParam;
+  Shape s;
+  s.B = 1, s.T = 21, s.NH = 2, s.out = 5;
+  const auto p = make_problem<T>(s, 210);
+  const Result<T> expected = run(p);
+  headmix::Workspace<T> ws;
+  Tensor<T> probs;
+  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
+  EXPECT_TRUE(bit_identical("allocating output", out, expected.out));
+  EXPECT_TRUE(bit_identical("allocating probs", probs, expected.probs));
+  const Matrix<T> y = p.layer().forward(p.x);
+  ASSERT_EQ(y.rows(), s.T);
+  ASSERT_EQ(y.cols(), s.out);
+  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], expected.out[i]) << i;
+  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
+}
+
+// options() may change masking, rounds, threads between calls.
+TYPED_TEST(LshTest, OptionsChangedBetweenCalls) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 24, s.NH = 2, s.pad_rate = 0.2;
+  auto p = make_problem<T>(s, 220);
+  headmix::Lsh<T> layer = p.layer();
+  headmix::Workspace<T> ws;
+  for (int step = 0; step < 3; ++step) {
+    p.s.causal = step > 0, p.s.across = step != 1, p.s.dup = step != 2, p.s.threads = 1 + step;
+    layer.options() = p.options();
+    Tensor<T> out({s.B, s.T, s.out});
+    layer.forward(p.input(), out.batch(), ws);
+    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
+  }
+}
+
+// flops() equals the multiply-adds of the naive algorithm: projections of
+// the T real rows, then per head key norms and hashing of all Tp positions,
+// (dh + dv) per slot of every row's 2·bs window, and NH·dv per real
+// position to merge the rounds.
+TYPED_TEST(LshTest, FlopsEqualReferenceCount) {
+  std::vector<Shape> shapes(5);
+  shapes[0].T = 16, shapes[0].NH = 1;
+  shapes[1].T = 13, shapes[1].NH = 3, shapes[1].causal = true, shapes[1].out_proj = false;
+  shapes[2].T = 20, shapes[2].NB = 6, shapes[2].dh = 5, shapes[2].dv = 3, shapes[2].dup = false, shapes[2].pad_rate = 0.3;
+  shapes[3].B = 3, shapes[3].T = 3, shapes[3].H = 3, shapes[3].bs = 2, shapes[3].across = false, shapes[3].per_head = true;
+  shapes[4].B = 1, shapes[4].T = 40, shapes[4].bs = 8, shapes[4].NH = 2, shapes[4].out_bias = false;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<TypeParam>(shapes[n], 230 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const headmix_ref::LshRefResult want = p.reference();
+    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.T);
+    EXPECT_EQ(got.projection_macs, want.projection_macs);
+    EXPECT_EQ(got.attention_macs, want.attention_macs);
+  }
+}
+
+// Attention memory is O(n_hashes · T), never T²: without the dense weights
+// a call's workspace grows about linearly with T.
+TYPED_TEST(LshTest, WorkspaceGrowsLinearlyWithLength) {
+  using T = TypeParam;
+  std::vector<double> bytes;
+  for (int T_ : {2048, 4096}) {
+    Shape s;
+    s.B = 1, s.H = 1, s.D = 8, s.dh = 8, s.dv = 8, s.T = T_, s.bs = 32, s.NH = 2, s.out_proj = false;
+    s.NB = 64;  // so that the rotation, not the length, sets the hash width
+    Rng rng(240);
+    headmix::LshWeights<T> w{{normal_matrix<T>(rng, 8, 8, 0.3), {}}, {normal_matrix<T>(rng, 8, 8, 0.3), {}}, {}, {}};
+    headmix::LshOptions o;
+    o.bucket_size = s.bs, o.n_hashes = s.NH, o.n_buckets = s.NB;
+    headmix::Lsh<T> layer(w, o);
+    const Matrix<T> x = normal_matrix<T>(rng, T_, 8, 1.0);
+    Matrix<T> y(T_, 8);
+    headmix::Workspace<T> ws;
+    layer.forward(headmix::AttentionInput<T>{headmix::as_batch(x), {}, {}}, headmix::as_batch(y), ws);
+    bytes.push_back(double(ws.bytes()));
+    EXPECT_LT(ws.bytes(), std::size_t(T_) * T_ * sizeof(T) / 8) << "T = " << T_;
+  }
+  EXPECT_LT(bytes[1], 2.2 * bytes[0]);
+}
+
+// ---------------------------------------------------------------------------
+// The seeded generator (variants/lsh/rotations.hpp), checked against an
+// independent implementation of its published definition with std::log.
+
+namespace indep {
+std::uint64_t splitmix_out(std::uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+struct Xoshiro {
+  std::uint64_t s[4];
+  explicit Xoshiro(std::uint64_t seed) {
+    for (auto& w : s) w = splitmix_out(seed += 0x9E3779B97F4A7C15ULL);
+  }
+  static std::uint64_t rotl(std::uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+  std::uint64_t next() {  // xoshiro256** 1.0 (Blackman, Vigna)
+    const std::uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0], s[3] ^= s[1], s[1] ^= s[2], s[0] ^= s[3], s[2] ^= t, s[3] = rotl(s[3], 45);
+    return r;
+  }
+};
+std::vector<double> normals(std::uint64_t seed, std::uint64_t rho, std::size_t n) {
+  Xoshiro rng(seed ^ splitmix_out(rho));
+  std::vector<double> out;
+  while (out.size() < n) {
+    const double a = static_cast<std::int32_t>(rng.next() >> 32), b = static_cast<std::int32_t>(rng.next() >> 32);
+    const double u = a / 2147483648.0, v = b / 2147483648.0, s = u * u + v * v;  // exact in double
+    if (s == 0 || s >= 1) continue;
+    const double f = std::sqrt(-2 * std::log(s) / s);
+    out.push_back(u * f);
+    out.push_back(v * f);
+  }
+  out.resize(n);
+  return out;
+}
+}  // namespace indep
+
+TEST(LshRotations, MatchIndependentPolarMethod) {
+  for (std::uint64_t seed : {0ULL, 1ULL, 0xDEADBEEFULL}) {
+    const Tensor<double> rot = headmix::lsh_rotations<double>(seed, 3, 16, 4, 10);  // [3, 16, 4, 5]
+    for (Index rho = 0; rho < 3; ++rho) {
+      const std::vector<double> want = indep::normals(seed, static_cast<std::uint64_t>(rho), 16 * 4 * 5);
+      for (Index i = 0; i < 320; ++i) {
+        const double got = rot[rho * 320 + i], w = want[static_cast<std::size_t>(i)];
+        ASSERT_NEAR(got, w, 1e-14 * std::max(1.0, std::abs(w))) << "seed " << seed << " rho " << rho << " i " << i;
+      }
+    }
+  }
+}
+
+// Within two ulps of the (nearly correctly rounded) std::log: the fixed-point
+// result carries ~1e-17 absolute error before its one rounding to double.
+TEST(LshRotations, FixedPointLogIsAccurate) {
+  std::mt19937_64 rng(7);
+  for (int n = 0; n < 200000; ++n) {
+    std::uint64_t s = rng() >> (2 + rng() % 62);
+    if (s == 0) s = 1;
+    const double want = std::log(static_cast<double>(s) * 0x1p-62);
+    ASSERT_NEAR(headmix::lsh_detail::fixed_point_log(s), want, 4e-16 * std::max(1.0, std::abs(want))) << s;
+  }
+  for (int e = 0; e < 62; ++e) {  // powers of two, where the table's rounding is tightest
+    const std::uint64_t s = 1ULL << e;
+    const double want = (e - 62) * std::log(2.0);
+    EXPECT_NEAR(headmix::lsh_detail::fixed_point_log(s), want, 4e-16 * std::max(1.0, std::abs(want))) << e;
+  }
+}
+
+// Pinned bits: a change of generator would silently change every seeded
+// model's hashing. The values are what the definition in rotations.hpp
+// gives (MatchIndependentPolarMethod checks the definition itself).
+TEST(LshRotations, GoldenValues) {
+  const Tensor<double> rot = headmix::lsh_rotations<double>(42, 2, 1, 1, 8);  // [2, 1, 1, 4]
+  const std::uint64_t want[8] = {0x3fcbd5495cf025bdULL, 0x3fef71ddd42f1e67ULL, 0xbff42c83334dbefdULL, 0xbfd2fe36613aa36cULL,
+                                  0x3fe0250975ab24e2ULL, 0x3fd319b8aa5d8241ULL, 0xbfdde3926ee2e697ULL, 0x3fc6e6971bc169bbULL};
+  for (int i = 0; i < 8; ++i) {
+    std::uint64_t bits;
+    std::memcpy(&bits, &rot[i], sizeof bits);
+    EXPECT_EQ(bits, want[i]) << i << ": " << rot[i];
+  }
+  const Tensor<float> rot_f = headmix::lsh_rotations<float>(42, 2, 1, 1, 8);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(rot_f[i], static_cast<float>(rot[i]));
+}
+
+TEST(LshRotations, StandardNormalMoments) {
+  const Tensor<double> rot = headmix::lsh_rotations<double>(3, 1, 1000, 1, 400);  // 200k values
+  double mean = 0, var = 0, within_one = 0;
+  for (Index i = 0; i < rot.size(); ++i) mean += rot[i];
+  mean /= double(rot.size());
+  for (Index i = 0; i < rot.size(); ++i) {
+    var += (rot[i] - mean) * (rot[i] - mean);
+    within_one += std::abs(rot[i]) < 1;
+  }
+  var /= double(rot.size());
+  EXPECT_NEAR(mean, 0.0, 0.01);  // 4.5 standard errors
+  EXPECT_NEAR(var, 1.0, 0.015);
+  EXPECT_NEAR(within_one / double(rot.size()), 0.682689, 0.005);
+}
+
+// Rotation rho depends only on (seed, rho): drawn alone or within a larger
+// tensor, it is the same.
+TEST(LshRotations, StreamDependsOnlyOnSeedAndIndex) {
+  const Tensor<double> many = headmix::lsh_rotations<double>(9, 6, 4, 2, 6);
+  std::vector<double> one(4 * 2 * 3);
+  headmix::lsh_rotation<double>(9, 4, Index(one.size()), one.data());
+  for (std::size_t i = 0; i < one.size(); ++i) EXPECT_EQ(one[i], many[4 * 24 + Index(i)]);
+  const Tensor<double> other = headmix::lsh_rotations<double>(10, 1, 4, 2, 6);
+  EXPECT_NE(other[0], many[0]);
+}
+
+// ---------------------------------------------------------------------------
+// BadInput: every mismatch throws shape_error whose message names the
+// variant, the argument and both shapes.
+
+template <class Fn>
+std::string shape_error_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const headmix::shape_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a shape_error: ") + e.what() + ">";
+  }
+  return "<no exception>";
+}
+
+::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
+  for (const auto& part : parts)
+    if (message.find(part) == std::string::npos)
+      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
+  return ::testing::AssertionSuccess() << message;
+}
+
+#define EXPECT_SHAPE_ERROR(call, ...)                                                  \
+  do {                                                                                 \
+    EXPECT_THROW(call, headmix::shape_error);                                          \
+    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[lsh]", __VA_ARGS__})); \
+  } while (0)
+
+// A valid setup (dh != D / H, dv != dh, out != D, explicit rotations); each
+// test breaks exactly one thing.
+class BadInput : public ::testing::Test {
+ protected:
+  static constexpr int B = 2, T = 16, D = 12, H = 2, dh = 4, dv = 3, Out = 10, bs = 4, NH = 2;
+  static constexpr int NB = 4;  // Tp / bs
+
+  BadInput() {
+    Rng rng(99);
+    w.qk.weight = normal_matrix<double>(rng, H * dh, D, 0.3);
+    w.v.weight = normal_matrix<double>(rng, H * dv, D, 0.3);
+    w.o.weight = normal_matrix<double>(rng, Out, H * dv, 0.3);
+    w.o.bias = normal_matrix<double>(rng, Out, 1, 0.1);
+    w.rotations = Tensor<double>({1, dh, NH, NB / 2});
+    w.rotations.set_zero();
+    opt.num_heads = H, opt.bucket_size = bs, opt.n_hashes = NH;
+    x = normal_matrix<double>(rng, B * T, D, 1.0);
+    out.resize(B * T, Out);
+  }
+
+  headmix::AttentionInput<double> input() const {
+    return {headmix::ConstBatchView<double>(x.data(), B, T, D), {}, headmix::KeyPadding{padding.data(), B, T}};
+  }
+  headmix::BatchView<double> out_view() { return headmix::BatchView<double>(out.data(), B, T, Out); }
+  void build() const { headmix::Lsh<double> layer(w, opt); }
+  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
+    headmix::Lsh<double> layer(w, opt);
+    headmix::Workspace<double> ws;
+    layer.forward(in, dst, ws);
+  }
+
+  headmix::LshWeights<double> w;
+  headmix::LshOptions opt;
+  Matrix<double> x, out;
+  std::vector<std::uint8_t> padding = std::vector<std::uint8_t>(B * T, 0);
+};
+
+TEST_F(BadInput, ValidSetupRuns) {  // so that each failure below is the one broken thing
+  EXPECT_NO_THROW(forward(input(), out_view()));
+  w.rotations = Tensor<double>();
+  opt.rotations_per_head = true;
+  EXPECT_NO_THROW(forward(input(), out_view()));
+}
+
+TEST_F(BadInput, ZeroHeads) {
+  opt.num_heads = 0;
+  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, QueryKeyRowsNotDivisibleByHeads) {
+  opt.num_heads = 3;  // qk has 8 rows
+  EXPECT_SHAPE_ERROR(build(), "qk.weight", "num_heads = 3", "got [8, 12]");
+}
+
+TEST_F(BadInput, NoQueryKeyWeight) {
+  w.qk.weight.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "qk.weight", "expected [", "got [0, 0]");
+}
+
+TEST_F(BadInput, ValueRowsNotDivisibleByHeads) {
+  w.v.weight.conservativeResize(7, D);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "num_heads = 2", "got [7, 12]");
+}
+
+TEST_F(BadInput, ValueColumnsNotModelDim) {
+  w.v.weight.conservativeResize(H * dv, D - 1);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [6, 12]", "got [6, 11]");
+}
+
+TEST_F(BadInput, QueryKeyBiasLength) {
+  w.qk.bias = headmix::Vector<double>::Zero(7);
+  EXPECT_SHAPE_ERROR(build(), "qk.bias", "expected [8]", "got [7]");
+}
+
+TEST_F(BadInput, ValueBiasLength) {
+  w.v.bias = headmix::Vector<double>::Zero(5);
+  EXPECT_SHAPE_ERROR(build(), "v.bias", "expected [6]", "got [5]");
+}
+
+TEST_F(BadInput, OutputWeightColumns) {
+  w.o.weight.conservativeResize(Out, H * dv + 1);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 6]", "got [10, 7]");
+}
+
+TEST_F(BadInput, OutputBiasLength) {
+  w.o.bias.conservativeResize(Out - 1);
+  EXPECT_SHAPE_ERROR(build(), "o.bias", "expected [10]", "got [9]");
+}
+
+TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
+  w.o.weight.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [out_dim, 6]", "got [0, 0]");
+}
+
+TEST_F(BadInput, BucketSizeNotPositive) {
+  for (Index bad : {Index(0), Index(-4)}) {
+    opt.bucket_size = bad;
+    EXPECT_SHAPE_ERROR(build(), "bucket_size", "expected >= 1", "got " + std::to_string(bad));
+  }
+}
+
+TEST_F(BadInput, ZeroHashRounds) {
+  opt.n_hashes = 0;
+  EXPECT_SHAPE_ERROR(build(), "n_hashes", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, OddBucketCount) {
+  w.rotations = Tensor<double>();
+  opt.n_buckets = 5;
+  EXPECT_SHAPE_ERROR(build(), "n_buckets", "an even number >= 2", "got 5");
+}
+
+TEST_F(BadInput, BucketCountTooSmall) {
+  w.rotations = Tensor<double>();
+  for (Index bad : {Index(-2), Index(1)}) {
+    opt.n_buckets = bad;
+    EXPECT_SHAPE_ERROR(build(), "n_buckets", "an even number >= 2", "got " + std::to_string(bad));
+  }
+}
+
+TEST_F(BadInput, ZeroThreads) {
+  opt.threads = 0;
+  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, RotationsWrongRank) {
+  w.rotations = Tensor<double>({1, dh, NH * NB / 2});
+  EXPECT_SHAPE_ERROR(build(), "rotations", "got [1, 4, 4]");
+}
+
+TEST_F(BadInput, RotationsWrongHeadDim) {
+  w.rotations = Tensor<double>({1, dh + 1, NH, NB / 2});
+  EXPECT_SHAPE_ERROR(build(), "rotations", "expected [1, 4, 2, ", "got [1, 5, 2, 2]");
+}
+
+TEST_F(BadInput, RotationsWrongRoundCount) {
+  w.rotations = Tensor<double>({1, dh, NH + 1, NB / 2});
+  EXPECT_SHAPE_ERROR(build(), "rotations", "expected [1, 4, 2, ", "got [1, 4, 3, 2]");
+}
+
+// With the default n_buckets the last extent follows the length: it is
+// checked when the call's T is known. (T = 16 pads to 16, NB = 4.)
+TEST_F(BadInput, RotationsWrongBucketCountForLength) {
+  w.rotations = Tensor<double>({1, dh, NH, 3});
+  EXPECT_SHAPE_ERROR(forward(input(), out_view()), "rotations", "expected [1, 4, 2, 2]", "got [1, 4, 2, 3]");
+  w.rotations = Tensor<double>({1, dh, NH, NB / 2});
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(x.data(), 1, 2 * T, D);  // NB = 8 now
+  in.key_padding = {};
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), 1, 2 * T, Out)), "rotations",
+                     "expected [1, 4, 2, 4]", "got [1, 4, 2, 2]");
+}
+
+TEST_F(BadInput, RotationsWrongBucketCountForFixedBuckets) {
+  opt.n_buckets = 6;
+  EXPECT_SHAPE_ERROR(build(), "rotations", "expected [1, 4, 2, 3]", "got [1, 4, 2, 2]");
+}
+
+TEST_F(BadInput, SharedRotationWithRotationsPerHead) {
+  opt.rotations_per_head = true;
+  EXPECT_SHAPE_ERROR(forward(input(), out_view()), "rotations", "expected [4, 4, 2, 2]", "got [1, 4, 2, 2]");
+}
+
+TEST_F(BadInput, PerHeadRotationsForAnotherBatch) {
+  opt.rotations_per_head = true;
+  w.rotations = Tensor<double>({3 * H, dh, NH, NB / 2});
+  EXPECT_SHAPE_ERROR(forward(input(), out_view()), "rotations", "expected [4, 4, 2, 2]", "got [6, 4, 2, 2]");
+}
+
+TEST_F(BadInput, SharedRotationCountNotOne) {
+  w.rotations = Tensor<double>({2, dh, NH, NB / 2});
+  EXPECT_SHAPE_ERROR(build(), "rotations", "expected [1, 4, 2, ", "got [2, 4, 2, 2]");
+}
+
+TEST_F(BadInput, KeySequenceGiven) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(x.data(), B, T, D);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected none", "self-attention", "got [2, 16, 12]");
+}
+
+TEST_F(BadInput, QueryWidth) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(x.data(), B, T, D - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 16, 12]", "got [2, 16, 11]");
+}
+
+TEST_F(BadInput, ZeroLength) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(x.data(), B, 0, D);
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "T >= 1",
+                     "got [2, 0, 12]");
+}
+
+TEST_F(BadInput, ZeroBatch) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(x.data(), 0, T, D);
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), 0, T, Out)), "input.query", "B >= 1",
+                     "got [0, 16, 12]");
+}
+
+TEST_F(BadInput, KeyPaddingMaskShape) {
+  auto in = input();
+  in.key_padding.keys = T - 1;
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 16]", "got [2, 15]");
+  in.key_padding = headmix::KeyPadding{padding.data(), 1, T};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 16]", "got [1, 16]");
+}
+
+TEST_F(BadInput, OutputBufferShape) {
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
+                     "expected [2, 16, 10]", "got [2, 16, 9]");
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>()), "output", "expected [2, 16, 10]", "no buffer");
+}
+
+// n_hashes · padded length must fit the 32-bit slot indices: checked before
+// any data is read (the view's data is never touched here).
+TEST_F(BadInput, SequenceTooLongForSlotIndices) {
+  opt.n_hashes = 8;
+  w.rotations = Tensor<double>();
+  const Index long_T = Index(1) << 28;  // 8 · 2^28 = 2^31 slots
+  headmix::AttentionInput<double> in{headmix::ConstBatchView<double>(x.data(), 1, long_T, D), {}, {}};
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), 1, long_T, Out)), "input.query", "< 2^31",
+                     "got [1, 268435456, 12]");
+}
+
+// Options are checked again by every call, not only at construction.
+TEST_F(BadInput, OptionsBrokenAfterConstruction) {
+  headmix::Lsh<double> layer(w, opt);
+  headmix::Workspace<double> ws;
+  layer.options().bucket_size = 0;
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "bucket_size", "expected >= 1", "got 0");
+  layer.options().bucket_size = bs;
+  layer.options().num_heads = 3;
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "qk.weight", "num_heads = 3");
+  layer.options().num_heads = H;
+  layer.options().n_buckets = 3;
+  EXPECT_SHAPE_ERROR(layer.buckets(input(), ws), "n_buckets", "got 3");
+}
+
+TEST_F(BadInput, FlopsForCrossLengths) {
+  headmix::Lsh<double> layer(w, opt);
+  EXPECT_SHAPE_ERROR(layer.flops(B, T, T + 1), "keys", "expected 16 (self-attention: S == T)", "got 17");
+}
+
+}  // namespace
