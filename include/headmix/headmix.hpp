@@ -16,3 +16,4 @@
 #include "headmix/core/workspace.hpp"
 #include "headmix/variants/lsh.hpp"
 #include "headmix/variants/mha.hpp"
+#include "headmix/variants/talking_heads.hpp"

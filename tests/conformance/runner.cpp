@@ -8,6 +8,7 @@
 // "N passed, N failed, N skipped" line; exits 0 only if nothing failed and,
 // without --allow-skip, nothing was skipped.
 #include "case_mha.hpp"
+#include "case_talking_heads.hpp"
 #include "case_lsh.hpp"
 
 #include <algorithm>
@@ -32,6 +33,7 @@ using Runner = std::function<CaseOutputs(const io::TensorFile&)>;
 const std::map<std::string, std::pair<Runner, Runner>>& registry() {
   static const std::map<std::string, std::pair<Runner, Runner>> r = {
       {"mha", {run_mha_case<double>, run_mha_case<float>}},
+      {"talking_heads", {run_talking_heads_case<double>, run_talking_heads_case<float>}},
       {"lsh", {run_lsh_case<double>, run_lsh_case<float>}},
   };
   return r;

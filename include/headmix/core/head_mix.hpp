@@ -5,7 +5,7 @@
 //
 //   mix_heads          one GEMM over a whole tile (out = W · in, or out += W · in)
 //   mix_heads_strided  the same product on raw head rows `stride` apart, in
-//                      column panels that stay in L1; allocates nothing
+//                      panels of entries that stay in L1; allocates nothing
 //   mix_softmax_mix    pre mix -> mask + softmax -> post mix on a tile in place,
 //                      a few query rows at a time, so that the tile is read
 //                      and written once between the score and readout stages
@@ -40,22 +40,23 @@ void mix_heads_add(const Eigen::MatrixBase<Derived>& weight, const AttentionTens
 
 /// out[g, e] = Σ_a weight[g, a] · in[a, e] for e < entries, where head a's
 /// entries start at in + a·in_stride and head g's at out + g·out_stride.
-/// `in` and `out` must not overlap. Works on column panels small enough for
-/// L1, each output panel in one pass: no GEMM packing, no allocation, and
-/// the result does not depend on where the entries sit.
+/// `in` and `out` must not overlap. One small GEMM per panel of entries, so
+/// the operands stay in L1 and Eigen packs them on the stack, not the heap.
 template <class T, class Derived>
 void mix_heads_strided(const Eigen::MatrixBase<Derived>& weight, const T* in, Index in_stride, T* out,
                        Index out_stride, Index entries) {
   const Index in_heads = weight.cols(), out_heads = weight.rows();
   HEADMIX_ASSERT(in_stride >= entries && out_stride >= entries);
-  // ~16 KiB of input per panel, at least one cache line per head.
-  const Index panel = std::max<Index>(64 / static_cast<Index>(sizeof(T)),
-                                      (16384 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, in_heads)) & ~Index(15));
+  // ~32 KiB of input per panel (a multiple of 16 entries, at least 64 bytes
+  // per head): it stays in L1, and Eigen packs it on the stack, not the heap.
+  const Index panel = std::max<Index>(
+      64 / static_cast<Index>(sizeof(T)),
+      (32768 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, in_heads)) & ~Index(15));
   for (Index e0 = 0; e0 < entries; e0 += panel) {
     const Index n = std::min(panel, entries - e0);
     const ConstStridedMap<T> src(in + e0, in_heads, n, Eigen::OuterStride<>(in_stride));
     StridedMap<T> dst(out + e0, out_heads, n, Eigen::OuterStride<>(out_stride));
-    dst.noalias() = weight.lazyProduct(src);
+    dst.noalias() = weight * src;
   }
 }
 

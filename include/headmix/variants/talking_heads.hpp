@@ -1,0 +1,290 @@
+// Talking-Heads attention (Shazeer, Lan, Cheng, Ding, Hou 2020): multi-head
+// attention with a learned static mix across heads before and after the
+// softmax. Three head counts may all differ: h_k heads for Q and K, h logit
+// (softmax) heads, h_v heads for V.
+//
+//   Q = Xq Wqᵀ + bq [.., h_k·Dk],  K = Xk Wkᵀ + bk [.., h_k·Dk],  V = Xk Wvᵀ + bv [.., h_v·Dv]
+//   J_a = scale · Q_a K_aᵀ                                   a < h_k
+//   L_g = Σ_a pre[g, a] · J_a                                g < h      (no pre:  L = J, h_k == h)
+//   W_g = softmax(L_g + mask)                                mask AFTER the mix
+//   U_c = Σ_g post[c, g] · W_g                               c < h_v    (no post: U = W, h == h_v)
+//   Y   = concat_c(U_c V_c) Woᵀ + bo
+//
+// Both mixing matrices use PyTorch's [out, in] orientation: pre is [h, h_k],
+// post is [h_v, h]. The mask has to come after the pre mix: a -inf mixed over
+// heads of mixed sign is NaN, and a large negative additive mask mixed by a
+// row of negative sum becomes a large positive logit. U is not renormalised:
+// its rows sum to Σ_g post[c, g] and may be negative. The weights returned on
+// request are U, [B, h_v, T, S].
+//
+// The dense pipeline (core/pipeline.hpp) computes the h_k score heads of a
+// [heads, block_rows, S] tile with one GEMM each. Then one fused stage
+// (core/head_mix.hpp, mix_softmax_mix) walks the tile a row or two at a
+// time: pre mix (a product over the head axis), mask + softmax and post mix
+// run while that chunk is in cache, and U overwrites J in place. The
+// readout is then one GEMM per value head, as in MHA.
+//
+// Memory: besides the caller's output, a call keeps in its Workspace
+//   Q [B·T, h_k·Dk] + K [B·S, h_k·Dk] + V [B·S, h_v·Dv] + context [B·T, h_v·Dv]
+//   + per worker thread: max(h_k, h, h_v) · block_rows · S (the tile)
+//     + h · max(S, ~64 KiB worth) (a chunk of logits) + S (padding bias) values.
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/flops.hpp"
+#include "headmix/core/head_mix.hpp"
+#include "headmix/core/input.hpp"
+#include "headmix/core/linear.hpp"
+#include "headmix/core/pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string>
+
+namespace headmix {
+
+struct TalkingHeadsOptions {
+  Index num_heads = 1;           ///< h, the logit (softmax) heads
+  Index key_heads = 0;           ///< h_k, the heads of Q and K; 0 means num_heads
+  Index value_heads = 0;         ///< h_v, the heads of V and of the output; 0 means num_heads
+  bool causal = false;
+  Index causal_offset = 0;       ///< see PositionMask: query i sees keys j <= i + causal_offset
+  std::optional<double> scale;   ///< default 1/sqrt(head_dim)
+  Index block_rows = 64;         ///< query rows per pipeline task
+  int threads = 1;               ///< worker threads; results do not depend on it
+};
+
+/// Parameters in PyTorch layout. `o` may be empty: the output is then the
+/// concatenated value heads [B, T, h_v·Dv]. An empty mixing matrix means no
+/// mix (the identity), which needs equal head counts on both sides.
+template <class T>
+struct TalkingHeadsWeights {
+  Linear<T> q;              ///< [h_k·Dk, D]
+  Linear<T> k;              ///< [h_k·Dk, Dkv]
+  Linear<T> v;              ///< [h_v·Dv, Dkv]
+  Linear<T> o;              ///< [out_dim, h_v·Dv], optional
+  Matrix<T> pre_softmax;    ///< [h, h_k], optional
+  Matrix<T> post_softmax;   ///< [h_v, h], optional
+};
+
+template <class T>
+class TalkingHeads {
+ public:
+  static constexpr const char* kName = "talking_heads";
+
+  TalkingHeads(TalkingHeadsWeights<T> weights, TalkingHeadsOptions options)
+      : w_(std::move(weights)), opt_(options) {
+    validate(w_, opt_);
+  }
+
+  /// Build from named tensors (an io::TensorFile, or anything with the same
+  /// contains/matrix/vector accessors), as in conformance/talking_heads.md:
+  /// `<prefix>q.weight`, `<prefix>q.bias`, ... `<prefix>o.bias`,
+  /// `<prefix>pre_softmax.weight`, `<prefix>post_softmax.weight`. Biases,
+  /// `o` and both mixes are optional. Stored F16/BF16/F32/F64 become T.
+  template <class Source>
+  static TalkingHeads from_tensors(const Source& tensors, const std::string& prefix,
+                                   const TalkingHeadsOptions& options) {
+    TalkingHeadsWeights<T> w;
+    w.q = read_linear<T>(tensors, prefix + "q");
+    w.k = read_linear<T>(tensors, prefix + "k");
+    w.v = read_linear<T>(tensors, prefix + "v");
+    if (tensors.contains(prefix + "o.weight")) w.o = read_linear<T>(tensors, prefix + "o");
+    if (tensors.contains(prefix + "pre_softmax.weight"))
+      w.pre_softmax = tensors.template matrix<T>(prefix + "pre_softmax.weight");
+    if (tensors.contains(prefix + "post_softmax.weight"))
+      w.post_softmax = tensors.template matrix<T>(prefix + "post_softmax.weight");
+    return TalkingHeads(std::move(w), options);
+  }
+
+  Index num_heads() const { return opt_.num_heads; }
+  Index key_heads() const { return key_heads_of(opt_); }
+  Index value_heads() const { return value_heads_of(opt_); }
+  Index head_dim() const { return w_.q.out_features() / key_heads(); }
+  Index v_head_dim() const { return w_.v.out_features() / value_heads(); }
+  Index embed_dim() const { return w_.q.in_features(); }
+  Index key_dim() const { return w_.k.in_features(); }
+  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  bool has_pre_mix() const { return present(w_.pre_softmax); }
+  bool has_post_mix() const { return present(w_.post_softmax); }
+  T scale() const { return static_cast<T>(opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())))); }
+  const TalkingHeadsWeights<T>& weights() const { return w_; }
+  const TalkingHeadsOptions& options() const { return opt_; }
+  /// Change masking, block size, threads (or the head counts) between
+  /// calls; validated like the constructor, and left unchanged if invalid.
+  void set_options(const TalkingHeadsOptions& options) {
+    validate(w_, options);
+    opt_ = options;
+  }
+
+  /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the final
+  /// attention weights (after the post-softmax mix) are written there as
+  /// [B, h_v, T, S].
+  void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    check_input(kName, in, embed_dim(), key_dim());
+    const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
+    check_output(kName, out, B, T_, out_dim());
+    const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
+
+    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, hk * dk);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, hk * dk);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, hv * dv);
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, hv * dv);
+    project_rows<T>(w_.q, in.query.rows(), q, opt_.threads);
+    project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
+    project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
+    q *= scale();  // the mix is linear, so the scale may go on Q before it
+
+    DenseRun<T> run;
+    run.batch = B;
+    run.queries = T_;
+    run.keys = S;
+    run.mask = mask();
+    run.padding = in.key_padding;
+    run.block_rows = opt_.block_rows;
+    run.threads = opt_.threads;
+    run.context = ctx.data();
+    if (probs) {
+      probs->resize({B, hv, T_, S});
+      run.probs = probs->data();
+    }
+    run_dense_pipeline(Policy{q, k, v, w_.pre_softmax, w_.post_softmax, T_, S, hk, h, hv, dk, dv}, run, ws);
+
+    if (w_.o.empty())
+      out.rows() = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  }
+
+  /// Allocating form: returns [B, T, out_dim].
+  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
+    forward(in, out.batch(), ws, probs);
+    return out;
+  }
+
+  /// Self-attention over one sequence [T, D] -> [T, out_dim].
+  Matrix<T> forward(const Matrix<T>& x) const {
+    Workspace<T> ws;
+    Matrix<T> y(x.rows(), out_dim());
+    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
+    return y;
+  }
+
+  /// Multiply-adds of one call on B sequences of T queries and S keys. Per
+  /// causally visible (query, key) pair: h_k·Dk for the scores, h·h_k for
+  /// the pre mix, h_v·h for the post mix and h_v·Dv for the readout.
+  FlopCount flops(Index B, Index T_, Index S) const {
+    const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
+    FlopCount f;
+    f.projection_macs = B * (T_ * embed_dim() * hk * dk + S * key_dim() * (hk * dk + hv * dv) +
+                             (w_.o.empty() ? 0 : T_ * hv * dv * out_dim()));
+    const Index per_pair = hk * dk + (has_pre_mix() ? h * hk : 0) + (has_post_mix() ? hv * h : 0) + hv * dv;
+    f.attention_macs = B * mask().visible_pairs(T_, S) * per_pair;
+    return f;
+  }
+
+ private:
+  // MHA's score and readout stages with h_k and h_v heads, plus the two mixes.
+  struct Policy {
+    MatrixMap<T> q, k, v;
+    const Matrix<T>& pre;
+    const Matrix<T>& post;
+    Index T_, S, hk, h, hv, dk, dv;
+
+    Index score_heads() const { return hk; }
+    Index softmax_heads() const { return h; }
+    Index value_heads() const { return hv; }
+    Index value_dim() const { return dv; }
+    bool has_pre_mix() const { return present(pre); }
+    bool has_post_mix() const { return present(post); }
+
+    void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
+      const Index rows = out.rows(), cols = out.cols();
+      out.noalias() = q.block(b * T_ + q0, a * dk, rows, dk) * k.block(b * S + k0, a * dk, cols, dk).transpose();
+    }
+    // The pipeline runs the fused stage below; these are its unfused form.
+    void pre_mix(Index, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, int) const {
+      mix_heads(pre, in, out);
+    }
+    void post_mix(Index, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, int) const {
+      mix_heads(post, in, out);
+    }
+    // Pre mix, mask + softmax and post mix a few rows at a time, in place.
+    // A chunk's logits (h · rows · cols values) stay within ~kChunkBytes.
+    AttentionTensor<T> mix_softmax(Index, const AttentionTensor<T>& scores, Index num_keys, const PositionMask& mask,
+                                   const T* key_bias, Workspace<T>& ws, int worker) const {
+      const Index per_row = std::max<Index>(1, h * scores.cols());
+      const Index chunk = std::clamp<Index>(kChunkBytes / static_cast<Index>(sizeof(T)) / per_row, 1,
+                                            std::max<Index>(1, scores.rows()));
+      T* scratch = ws.local(worker, slot::local_variant, chunk * per_row);
+      return mix_softmax_mix(has_pre_mix() ? &pre : nullptr, has_post_mix() ? &post : nullptr, scores, num_keys,
+                             mask, key_bias, scratch, chunk);
+    }
+    auto values(Index b, Index c, Index k0, Index count) const { return v.block(b * S + k0, c * dv, count, dv); }
+  };
+
+    static_assert(fuses_mix_softmax<Policy>::value, "the pipeline should take the fused mix + softmax stage");
+  static constexpr Index kChunkBytes = 64 * 1024;
+
+  PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
+
+  static Index key_heads_of(const TalkingHeadsOptions& o) { return o.key_heads > 0 ? o.key_heads : o.num_heads; }
+  static Index value_heads_of(const TalkingHeadsOptions& o) {
+    return o.value_heads > 0 ? o.value_heads : o.num_heads;
+  }
+
+  static void validate(const TalkingHeadsWeights<T>& w, const TalkingHeadsOptions& opt) {
+    check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
+    check_value(opt.key_heads >= 0, kName, "key_heads", ">= 1 (or 0 for num_heads)", opt.key_heads);
+    check_value(opt.value_heads >= 0, kName, "value_heads", ">= 1 (or 0 for num_heads)", opt.value_heads);
+    check_value(opt.block_rows >= 1, kName, "block_rows", ">= 1", opt.block_rows);
+    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
+    if (opt.scale && !std::isfinite(*opt.scale))
+      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt.scale));
+    const Index hk = key_heads_of(opt), h = opt.num_heads, hv = value_heads_of(opt);
+    const Index D = w.q.in_features(), Dkv = w.k.in_features();
+    const Index hdk = w.q.out_features(), hdv = w.v.out_features();
+    if (hdk == 0 || hdk % hk != 0)
+      detail::throw_shape(kName, "q.weight", "[key_heads * head_dim, D] with key_heads = " + std::to_string(hk),
+                          detail::format_shape(shape_of(w.q.weight)));
+    if (hdv == 0 || hdv % hv != 0)
+      detail::throw_shape(kName, "v.weight", "[value_heads * v_head_dim, Dkv] with value_heads = " + std::to_string(hv),
+                          detail::format_shape(shape_of(w.v.weight)));
+    check_value(D >= 1, kName, "q.weight columns (D)", ">= 1", D);
+    w.q.check(kName, "q", hdk, D);
+    check_value(Dkv >= 1, kName, "k.weight columns (Dkv)", ">= 1", Dkv);
+    w.k.check(kName, "k", hdk, Dkv);
+    w.v.check(kName, "v", hdv, Dkv);
+    if (!w.o.empty())
+      w.o.check(kName, "o", w.o.out_features(), hdv);
+    else if (w.o.has_bias())  // a bias alone is a weight set that lost its o.weight, not "no projection"
+      detail::throw_shape(kName, "o.weight", "[" + std::to_string(w.o.bias.size()) + ", " + std::to_string(hdv) +
+                                                 "] (o.bias is given)",
+                          detail::format_shape(shape_of(w.o.weight)));
+    check_mix("pre_softmax.weight", w.pre_softmax, h, hk, "key_heads", "num_heads");
+    check_mix("post_softmax.weight", w.post_softmax, hv, h, "num_heads", "value_heads");
+  }
+
+  // A present mix must be [out, in]; an absent one is the identity, so the
+  // head counts on its two sides must agree.
+  static void check_mix(const char* name, const Matrix<T>& m, Index out, Index in, const char* in_name,
+                        const char* out_name) {
+    if (present(m))
+      check_matrix(kName, name, m, out, in);
+    else if (out != in)
+      detail::throw_shape(kName, name,
+                          detail::format_shape({out, in}) + " (" + in_name + " = " + std::to_string(in) +
+                              " differs from " + out_name + " = " + std::to_string(out) +
+                              ", so the mix cannot be left out)",
+                          "none");
+  }
+  // 0 x 0 is "no mix"; any other shape, even an empty [n, 0], is a matrix to check.
+  static bool present(const Matrix<T>& m) { return m.rows() != 0 || m.cols() != 0; }
+
+  TalkingHeadsWeights<T> w_;
+  TalkingHeadsOptions opt_;
+};
+
+}  // namespace headmix

@@ -1,0 +1,1274 @@
+// TalkingHeads<T> against the naive double reference
+// (tests/reference/talking_heads_reference.hpp), plus the layer's argument
+// checks (the TalkingHeadsBadInput suite).
+//
+// Expectations come from the reference (or from the MHA reference, for the
+// no-mix reduction), never from headmix itself. Inputs and weights are drawn
+// in T and handed to the reference widened to double, so a comparison only
+// measures the layer's own arithmetic error.
+//
+// Tolerance, element-wise: |got - want| <= atol + rtol * |want|
+//   double: rtol 1e-10, atol 1e-12. Values are O(1); every result is a chain
+//           of dot products of <= ~60 terms (scores, <= 6-head mixes, the
+//           readout, the projections), a few hundred roundings of 1.1e-16.
+//   float:  rtol 2e-4, atol 2e-5. Same chain at float's 6e-8: ~1e-6 typical.
+//           The mixes add two sums of <= 6 terms with weights <= 1 in
+//           magnitude, and the post-mixed weights may cancel to near zero,
+//           which atol covers (their terms are O(1), so the absolute error
+//           stays ~1e-6).
+// Tests with other bounds derive them where they are used.
+
+#include "headmix/headmix.hpp"
+#include "reference/mha_reference.hpp"
+#include "reference/talking_heads_reference.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+using Rng = std::mt19937;
+
+// ---------------------------------------------------------------------------
+// Random problems
+
+double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
+int uniform_int(Rng& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+
+template <class T>
+Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
+  Matrix<T> m(rows, cols);
+  for (Index r = 0; r < rows; ++r)
+    for (Index c = 0; c < cols; ++c) m(r, c) = static_cast<T>(uniform(rng, -bound, bound));
+  return m;
+}
+
+// Bounded by 1/sqrt(fan_in) like torch's init, so activations stay O(1).
+template <class T>
+headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
+  headmix::Linear<T> lin;
+  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
+  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
+  return lin;
+}
+
+/// One test problem. Self-attention forces S = T and Dkv = D. A missing mix
+/// needs equal head counts on its two sides; make_problem enforces that.
+struct Shape {
+  int B = 2, T = 5, S = 5, D = 8, Dkv = 8, Hk = 2, H = 3, Hv = 2, Dk = 4, Dv = 3, out = 8;
+  bool pre = true, post = true;
+  bool cross = false;
+  bool bias = true;
+  bool out_proj = true;
+  bool causal = false;
+  long offset = 0;
+  double pad_rate = 0;
+  double scale = 0;  // 0: the default 1/sqrt(Dk)
+  Index block_rows = 16;
+  int threads = 1;
+
+  int out_dim() const { return out_proj ? out : Hv * Dv; }
+};
+
+std::string describe(const Shape& s) {
+  std::ostringstream o;
+  o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " Hk=" << s.Hk
+    << " H=" << s.H << " Hv=" << s.Hv << " Dk=" << s.Dk << " Dv=" << s.Dv
+    << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " pre=" << s.pre << " post=" << s.post
+    << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
+    << " offset=" << s.offset << " pad_rate=" << s.pad_rate << " scale=" << s.scale << " block_rows=" << s.block_rows
+    << " threads=" << s.threads;
+  return o.str();
+}
+
+template <class T>
+std::vector<double> widen(const Matrix<T>& m) {
+  std::vector<double> r;
+  for (Index i = 0; i < m.rows(); ++i)
+    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
+  return r;
+}
+
+template <class T>
+headmix_ref::RefThLinear to_ref(const headmix::Linear<T>& lin) {
+  headmix_ref::RefThLinear r;
+  r.out = static_cast<int>(lin.weight.rows());
+  r.in = static_cast<int>(lin.weight.cols());
+  r.weight = widen(lin.weight);
+  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
+  return r;
+}
+
+template <class T>
+headmix_ref::RefMix to_ref_mix(const Matrix<T>& m) {
+  return {static_cast<int>(m.rows()), static_cast<int>(m.cols()), widen(m)};
+}
+
+template <class T>
+headmix_ref::RefThBatch to_ref_batch(const Matrix<T>& m, int batch) {
+  return {batch, static_cast<int>(m.rows()) / batch, static_cast<int>(m.cols()), widen(m)};
+}
+
+template <class T>
+struct Problem {
+  Shape s;
+  headmix::TalkingHeadsWeights<T> w;
+  Matrix<T> xq;                       // [B*T, D]
+  Matrix<T> xk;                       // [B*S, Dkv]; unused for self-attention
+  std::vector<std::uint8_t> padding;  // [B, S] or empty
+
+  headmix::TalkingHeadsOptions options() const {
+    headmix::TalkingHeadsOptions o;
+    o.num_heads = s.H;
+    o.key_heads = s.Hk;
+    o.value_heads = s.Hv;
+    o.causal = s.causal;
+    o.causal_offset = s.offset;
+    if (s.scale != 0) o.scale = s.scale;
+    o.block_rows = s.block_rows;
+    o.threads = s.threads;
+    return o;
+  }
+  headmix::TalkingHeads<T> layer() const { return headmix::TalkingHeads<T>(w, options()); }
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
+    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
+    return in;
+  }
+  headmix_ref::RefThResult reference() const {
+    headmix_ref::RefThWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o), to_ref_mix(w.pre_softmax),
+                                 to_ref_mix(w.post_softmax)};
+    headmix_ref::RefThOptions ro;
+    ro.key_heads = s.Hk, ro.heads = s.H, ro.value_heads = s.Hv;
+    ro.causal = s.causal;
+    ro.causal_offset = s.offset;
+    ro.scale = s.scale;
+    const headmix_ref::RefThBatch q = to_ref_batch(xq, s.B);
+    if (!s.cross) return headmix_ref::talking_heads_reference(rw, ro, q, nullptr, padding);
+    const headmix_ref::RefThBatch k = to_ref_batch(xk, s.B);
+    return headmix_ref::talking_heads_reference(rw, ro, q, &k, padding);
+  }
+};
+
+// Mixing weights in [-1, 1]: rows of either sign of sum, as the spec warns.
+template <class T>
+Problem<T> make_problem(Shape s, unsigned seed) {
+  if (!s.cross) s.S = s.T, s.Dkv = s.D;
+  if (!s.pre) s.Hk = s.H;
+  if (!s.post) s.Hv = s.H;
+  Rng rng(seed);
+  Problem<T> p;
+  p.s = s;
+  p.w.q = random_linear<T>(rng, s.Hk * s.Dk, s.D, s.bias);
+  p.w.k = random_linear<T>(rng, s.Hk * s.Dk, s.Dkv, s.bias);
+  p.w.v = random_linear<T>(rng, s.Hv * s.Dv, s.Dkv, s.bias);
+  if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.Hv * s.Dv, s.bias);
+  if (s.pre) p.w.pre_softmax = random_matrix<T>(rng, s.H, s.Hk, 1.0);
+  if (s.post) p.w.post_softmax = random_matrix<T>(rng, s.Hv, s.H, 1.0);
+  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
+  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
+  if (s.pad_rate > 0) {
+    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
+    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing
+
+template <class T>
+struct Result {
+  Tensor<T> out, probs;
+};
+
+template <class T>
+Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
+  Result<T> r;
+  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
+  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
+  return r;
+}
+
+template <class T>
+Result<T> run(const Problem<T>& p) {
+  headmix::Workspace<T> ws;
+  return run(p, ws);
+}
+
+struct Tolerance {
+  double rtol, atol;
+};
+template <class T>
+Tolerance default_tolerance();
+template <>
+Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
+template <>
+Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
+
+template <class T>
+::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
+                                     Tolerance tol) {
+  if (n != want.size())
+    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
+  std::size_t bad = 0, first = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
+    if (!(err <= allowed)) {  // NaN fails too
+      if (bad++ == 0) first = i;
+      worst = std::max(worst, err / allowed);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
+                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
+                                       << want[first] << "; worst error is " << worst << "x the tolerance";
+}
+
+template <class T>
+::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
+                                     Tolerance tol) {
+  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
+}
+
+template <class T>
+::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
+  for (Index i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
+      return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+template <class T>
+void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.s));
+  const Result<T> got = run(p);
+  const headmix_ref::RefThResult want = p.reference();
+  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.Hv, p.s.T, p.s.S}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+}
+
+template <class T>
+class TalkingHeadsTest : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(TalkingHeadsTest, Scalars);
+
+// ---------------------------------------------------------------------------
+// Agreement with the reference
+
+TYPED_TEST(TalkingHeadsTest, RandomShapesMatchReference) {
+  Rng rng(20240612);
+  const Index block_choices[] = {1, 2, 3, 5, 16, 64};
+  for (unsigned n = 0; n < 80; ++n) {
+    Shape s;
+    s.B = uniform_int(rng, 1, 3);
+    s.T = uniform_int(rng, 1, 12);
+    s.cross = uniform_int(rng, 0, 1) == 1;
+    s.S = uniform_int(rng, 1, 12);
+    s.D = uniform_int(rng, 1, 12);
+    s.Dkv = uniform_int(rng, 1, 12);
+    s.Hk = uniform_int(rng, 1, 5);
+    s.H = uniform_int(rng, 1, 5);
+    s.Hv = uniform_int(rng, 1, 5);
+    s.pre = uniform_int(rng, 0, 3) != 0;
+    s.post = uniform_int(rng, 0, 3) != 0;
+    s.Dk = uniform_int(rng, 1, 6);
+    s.Dv = uniform_int(rng, 1, 6);
+    s.out_proj = uniform_int(rng, 0, 3) != 0;
+    s.out = uniform_int(rng, 1, 12);
+    s.bias = uniform_int(rng, 0, 1) == 1;
+    s.causal = uniform_int(rng, 0, 1) == 1;
+    s.offset = s.causal ? uniform_int(rng, -3, 3) : 0;
+    s.pad_rate = uniform_int(rng, 0, 2) == 0 ? 0.3 : 0.0;
+    s.scale = uniform_int(rng, 0, 3) == 0 ? uniform(rng, 0.1, 1.0) : 0.0;
+    s.block_rows = block_choices[uniform_int(rng, 0, 5)];
+    s.threads = uniform_int(rng, 1, 3);
+    expect_matches_reference(make_problem<TypeParam>(s, 1000 + n));
+  }
+}
+
+// h_k != h != h_v in every order: reduction (h_k > h > h_v), expansion
+// (h_k < h with h_v between), and the conformance case's 3, 5, 4.
+TYPED_TEST(TalkingHeadsTest, ThreeDifferentHeadCounts) {
+  Shape s;
+  s.T = 9, s.Hk = 3, s.H = 5, s.Hv = 4, s.Dk = 6, s.Dv = 5, s.D = 24, s.out = 24;
+  expect_matches_reference(make_problem<TypeParam>(s, 1));
+  s.Hk = 8, s.H = 4, s.Hv = 2, s.cross = true, s.S = 11, s.Dkv = 10, s.scale = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 2));
+  s.Hk = 2, s.H = 6, s.Hv = 4, s.cross = false, s.causal = true, s.scale = 0;
+  expect_matches_reference(make_problem<TypeParam>(s, 3));
+  s.Hk = 1, s.H = 4, s.Hv = 1, s.pad_rate = 0.3;  // one key head fanned out, then folded back to one
+  expect_matches_reference(make_problem<TypeParam>(s, 4));
+}
+
+TYPED_TEST(TalkingHeadsTest, PreMixOnly) {
+  Shape s;
+  s.post = false, s.T = 10, s.Hk = 4, s.H = 6, s.Dv = 2, s.out = 5, s.pad_rate = 0.3;
+  const auto p = make_problem<TypeParam>(s, 5);
+  ASSERT_FALSE(p.layer().has_post_mix());
+  ASSERT_EQ(p.layer().value_heads(), 6);
+  expect_matches_reference(p);
+  // Without a post mix the weights are the softmax itself: rows sum to 1.
+  const Result<TypeParam> got = run(p);
+  for (Index row = 0; row < got.probs.size() / p.s.S; ++row) {
+    double sum = 0;
+    for (Index j = 0; j < p.s.S; ++j) sum += static_cast<double>(got.probs[row * p.s.S + j]);
+    if (sum != 0) {
+      EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
+    }
+  }
+}
+
+TYPED_TEST(TalkingHeadsTest, PostMixOnly) {
+  Shape s;
+  s.pre = false, s.T = 9, s.H = 3, s.Hv = 5, s.causal = true;
+  const auto p = make_problem<TypeParam>(s, 6);
+  ASSERT_FALSE(p.layer().has_pre_mix());
+  ASSERT_EQ(p.layer().key_heads(), 3);
+  expect_matches_reference(p);
+}
+
+// Without either mix the layer is MHA: checked against the independent MHA
+// reference, and bit for bit against Mha<T> (the same stages run).
+TYPED_TEST(TalkingHeadsTest, NoMixesReducesToMha) {
+  using T = TypeParam;
+  for (int variant = 0; variant < 2; ++variant) {
+    Shape s;
+    s.pre = false, s.post = false, s.H = 3, s.T = 8, s.Dk = 4, s.Dv = 5, s.out = 7, s.pad_rate = 0.25;
+    if (variant == 1) s.cross = true, s.S = 11, s.Dkv = 6, s.causal = true, s.offset = 2, s.block_rows = 3;
+    const auto p = make_problem<T>(s, 7 + variant);
+    SCOPED_TRACE(describe(p.s));
+
+    headmix_ref::RefMhaWeights mw;
+    auto to_mha = [](const headmix_ref::RefThLinear& l) {
+      return headmix_ref::RefLinear{l.out, l.in, l.weight, l.bias};
+    };
+    mw.q = to_mha(to_ref(p.w.q)), mw.k = to_mha(to_ref(p.w.k)), mw.v = to_mha(to_ref(p.w.v));
+    mw.o = to_mha(to_ref(p.w.o));
+    headmix_ref::RefMhaOptions mo;
+    mo.num_heads = s.H, mo.causal = s.causal, mo.causal_offset = s.offset;
+    const auto q = to_ref_batch(p.xq, s.B);
+    headmix_ref::RefBatch mq{q.batch, q.length, q.width, q.data};
+    headmix_ref::RefBatch mk;
+    if (s.cross) {
+      const auto k = to_ref_batch(p.xk, s.B);
+      mk = {k.batch, k.length, k.width, k.data};
+    }
+    const headmix_ref::RefMhaResult want = headmix_ref::mha_reference(mw, mo, mq, s.cross ? &mk : nullptr, p.padding);
+
+    const Result<T> got = run(p);
+    EXPECT_TRUE(all_close("output", got.out, want.output, default_tolerance<T>()));
+    EXPECT_TRUE(all_close("probs", got.probs, want.probs, default_tolerance<T>()));
+
+    headmix::MhaOptions opt;
+    opt.num_heads = s.H, opt.causal = s.causal, opt.causal_offset = s.offset, opt.block_rows = s.block_rows;
+    headmix::Mha<T> mha(headmix::MhaWeights<T>{p.w.q, p.w.k, p.w.v, p.w.o}, opt);
+    headmix::Workspace<T> ws;
+    Tensor<T> mha_probs;
+    const Tensor<T> mha_out = mha.forward(p.input(), ws, &mha_probs);
+    EXPECT_TRUE(bit_identical("output vs Mha", got.out, mha_out));
+    EXPECT_TRUE(bit_identical("probs vs Mha", got.probs, mha_probs));
+  }
+}
+
+// Identity mixing matrices give MHA's result (to rounding: the mix
+// multiplies by 1 and adds exact zeros, so in fact exactly).
+TYPED_TEST(TalkingHeadsTest, IdentityMixesEqualNoMixes) {
+  using T = TypeParam;
+  Shape s;
+  s.pre = false, s.post = false, s.H = 4, s.T = 7, s.causal = true, s.pad_rate = 0.2;
+  auto p = make_problem<T>(s, 9);
+  const Result<T> plain = run(p);
+  p.w.pre_softmax = Matrix<T>::Identity(4, 4);
+  p.w.post_softmax = Matrix<T>::Identity(4, 4);
+  p.s.pre = p.s.post = true;
+  const Result<T> mixed = run(p);
+  EXPECT_TRUE(all_close("output", mixed.out, std::vector<double>(plain.out.data(), plain.out.data() + plain.out.size()),
+                        default_tolerance<T>()));
+  EXPECT_TRUE(all_close("probs", mixed.probs,
+                        std::vector<double>(plain.probs.data(), plain.probs.data() + plain.probs.size()),
+                        default_tolerance<T>()));
+}
+
+// The spec's check of orientation: a transposed mix is a different layer.
+TYPED_TEST(TalkingHeadsTest, MixOrientationMatters) {
+  using T = TypeParam;
+  Shape s;
+  s.Hk = s.H = s.Hv = 4, s.T = 6;
+  auto p = make_problem<T>(s, 10);
+  const headmix_ref::RefThResult want = p.reference();
+  p.w.pre_softmax.transposeInPlace();
+  const Result<T> transposed = run(p);
+  EXPECT_FALSE(all_close("output", transposed.out, want.output, default_tolerance<T>()));
+}
+
+TYPED_TEST(TalkingHeadsTest, SingleQueryAndSingleKey) {
+  Shape s;
+  s.T = 1;
+  expect_matches_reference(make_problem<TypeParam>(s, 11));
+  s.cross = true, s.S = 9, s.Dkv = 5, s.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 12));
+  s.causal = true;  // top-left alignment: the query sees key 0 only
+  expect_matches_reference(make_problem<TypeParam>(s, 13));
+  s.offset = s.S - 1;  // a decoder step over a cache
+  expect_matches_reference(make_problem<TypeParam>(s, 14));
+  s.T = 6, s.S = 1, s.causal = false, s.pad_rate = 0;
+  expect_matches_reference(make_problem<TypeParam>(s, 15));
+}
+
+TYPED_TEST(TalkingHeadsTest, CrossAttentionWidths) {
+  Shape s;
+  s.cross = true, s.T = 4, s.S = 9, s.D = 10, s.Dkv = 6, s.out = 13;
+  expect_matches_reference(make_problem<TypeParam>(s, 16));
+  s.T = 9, s.S = 3;
+  expect_matches_reference(make_problem<TypeParam>(s, 17));
+}
+
+TYPED_TEST(TalkingHeadsTest, NoBiasesAndNoOutputProjection) {
+  Shape s;
+  s.bias = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 18));
+  s.out_proj = false, s.Hv = 3, s.Dv = 5;
+  const auto p = make_problem<TypeParam>(s, 19);
+  EXPECT_EQ(p.layer().out_dim(), 15);
+  expect_matches_reference(p);
+  s.bias = true, s.causal = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 20));
+}
+
+TYPED_TEST(TalkingHeadsTest, Causal) {
+  Shape s;
+  s.T = 12, s.D = 48, s.Hk = s.H = s.Hv = 6, s.Dk = s.Dv = 8, s.out = 48, s.causal = true, s.block_rows = 5;
+  expect_matches_reference(make_problem<TypeParam>(s, 21));
+}
+
+TYPED_TEST(TalkingHeadsTest, CausalOffsets) {
+  Shape s;
+  s.cross = true, s.causal = true, s.T = 3, s.S = 10, s.offset = 7;  // decoding: bottom-right
+  expect_matches_reference(make_problem<TypeParam>(s, 22));
+  s.T = 5, s.S = 11, s.offset = 0;  // top-left when S != T
+  expect_matches_reference(make_problem<TypeParam>(s, 23));
+  s.T = 11, s.S = 5;
+  expect_matches_reference(make_problem<TypeParam>(s, 24));
+  s.offset = 50;  // every key visible
+  expect_matches_reference(make_problem<TypeParam>(s, 25));
+}
+
+TYPED_TEST(TalkingHeadsTest, KeyPadding) {
+  Shape s;
+  s.cross = true, s.T = 5, s.S = 11, s.Hk = 2, s.H = 2, s.Hv = 2;
+  auto p = make_problem<TypeParam>(s, 26);
+  p.padding = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,   // trailing
+               0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0};  // scattered
+  expect_matches_reference(p);
+  s.cross = false, s.pad_rate = 0.4, s.Hk = 3, s.H = 5, s.Hv = 4;
+  expect_matches_reference(make_problem<TypeParam>(s, 27));
+}
+
+TYPED_TEST(TalkingHeadsTest, CausalWithPadding) {
+  Shape s;
+  s.T = 9, s.Hk = 3, s.H = 5, s.Hv = 4, s.causal = true, s.pad_rate = 0.35, s.block_rows = 4;
+  expect_matches_reference(make_problem<TypeParam>(s, 28));
+  s.cross = true, s.S = 12, s.offset = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 29));
+}
+
+// The mask must come after the pre mix. The pre mix here has rows of
+// negative sum, and a whole band of keys is padded; masking before the mix
+// (with -inf: NaN; with -1e9: a huge positive logit) would fail the
+// reference comparison, produce NaN, or put weight on padded keys. The
+// padded keys' post-mix weights must be exactly zero.
+TYPED_TEST(TalkingHeadsTest, MaskAfterPreMix) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 8, s.Hk = 3, s.H = 4, s.Hv = 2, s.causal = true;
+  auto p = make_problem<T>(s, 30);
+  p.w.pre_softmax << -1, -0.5, -0.7,  //
+      0.2, -1, -0.3,                  //
+      1, 0.5, -0.1,                   //
+      -0.2, 0.1, -0.9;
+  p.padding.assign(static_cast<std::size_t>(s.B) * s.T, 0);
+  for (int j : {2, 3, 5}) p.padding[j] = 1;
+  for (int j : {1, 6}) p.padding[s.T + j] = 1;
+  expect_matches_reference(p);
+  const Result<T> got = run(p);
+  for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
+  for (Index b = 0; b < s.B; ++b)
+    for (Index c = 0; c < s.Hv; ++c)
+      for (Index i = 0; i < s.T; ++i)
+        for (Index j = 0; j < s.T; ++j)
+          if (p.padding[b * s.T + j] || j > i) {
+            EXPECT_EQ(got.probs[((b * s.Hv + c) * s.T + i) * s.T + j], T(0)) << b << "," << c << "," << i << "," << j;
+          }
+}
+
+// Masked keys never reach an output: changing the padded keys' inputs, or
+// (causal) the future's, leaves the other outputs bit-identical.
+TYPED_TEST(TalkingHeadsTest, MaskedKeysDoNotLeak) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 10, s.Hk = 3, s.H = 4, s.Hv = 2, s.causal = true, s.block_rows = 4;
+  auto p = make_problem<T>(s, 31);
+  p.padding.assign(static_cast<std::size_t>(s.B) * s.T, 0);
+  p.padding[3] = p.padding[s.T + 7] = 1;
+  const Result<T> before = run(p);
+  p.xq.row(3).setConstant(T(5));          // padded key of item 0
+  p.xq.row(s.T + 7).setConstant(T(-5));   // padded key of item 1 ...
+  p.xq.row(s.T + 9).setConstant(T(3));    // ... and the last query of item 1: only its own row may move
+  const Result<T> after = run(p);
+  for (Index b = 0; b < s.B; ++b)
+    for (Index i = 0; i < s.T; ++i) {
+      // Row 3 of item 0 and row 7 of item 1 are themselves queries whose
+      // inputs changed; row 9 of item 1 too.
+      if ((b == 0 && i == 3) || (b == 1 && (i == 7 || i == 9))) continue;
+      for (Index c = 0; c < s.out; ++c)
+        EXPECT_EQ(before.out.batch().item(b)(i, c), after.out.batch().item(b)(i, c)) << b << "," << i << "," << c;
+    }
+}
+
+// A batch item whose keys are all padded, and causal rows that see nothing:
+// outputs are exactly o.bias (zero without o or bias), weights exactly 0,
+// never NaN, and the other items are unaffected.
+TYPED_TEST(TalkingHeadsTest, FullyMaskedRowGivesBiasAndZeroWeights) {
+  using T = TypeParam;
+  for (int variant = 0; variant < 3; ++variant) {
+    Shape s;
+    s.B = 3, s.cross = true, s.T = 4, s.S = 6, s.Hk = 2, s.H = 3, s.Hv = 4;
+    s.out_proj = variant != 1;
+    s.bias = variant != 2;
+    auto p = make_problem<T>(s, 32 + variant);
+    p.padding.assign(static_cast<std::size_t>(s.B) * s.S, 0);
+    std::fill(p.padding.begin() + s.S, p.padding.begin() + 2 * s.S, 1);  // item 1
+    p.padding[2 * s.S + 4] = 1;
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    expect_matches_reference(p);
+    const Result<T> got = run(p);
+    for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
+    for (Index i = 0; i < got.probs.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.probs[i])));
+    const auto masked = got.out.batch().item(1);
+    for (Index i = 0; i < s.T; ++i)
+      for (Index c = 0; c < s.out_dim(); ++c)
+        EXPECT_EQ(masked(i, c), s.out_proj && s.bias ? p.w.o.bias(c) : T(0)) << "row " << i << " col " << c;
+    for (Index c = 0; c < s.Hv; ++c)
+      for (Index i = 0; i < s.T; ++i)
+        for (Index j = 0; j < s.S; ++j) EXPECT_EQ(got.probs[((1 * s.Hv + c) * s.T + i) * s.S + j], T(0));
+  }
+}
+
+TYPED_TEST(TalkingHeadsTest, CausalNegativeOffsetFullyMasksFirstRows) {
+  using T = TypeParam;
+  Shape shape;
+  shape.T = 8, shape.causal = true, shape.offset = -3, shape.block_rows = 2;
+  const auto p = make_problem<T>(shape, 35);
+  const Shape& s = p.s;
+  expect_matches_reference(p);
+  const Result<T> got = run(p);
+  for (Index b = 0; b < s.B; ++b)
+    for (Index i = 0; i < 3; ++i) {
+      for (Index c = 0; c < s.out; ++c) EXPECT_EQ(got.out.batch().item(b)(i, c), p.w.o.bias(c)) << b << "," << i;
+      for (Index c = 0; c < s.Hv; ++c)
+        for (Index j = 0; j < s.S; ++j) EXPECT_EQ(got.probs[((b * s.Hv + c) * s.T + i) * s.S + j], T(0));
+    }
+  shape.offset = -20;  // nothing visible anywhere
+  expect_matches_reference(make_problem<T>(shape, 36));
+}
+
+// No renormalisation after the post mix: each softmax row sums to 1, so a
+// row of U sums to Σ_g post[c, g], whatever its sign. Bound: the sum of S
+// float weights carries ~S·6e-8 relative error; 1e-5 covers S = 9.
+TYPED_TEST(TalkingHeadsTest, PostMixedWeightsAreNotRenormalised) {
+  using T = TypeParam;
+  Shape s;
+  s.cross = true, s.T = 5, s.S = 9, s.Hk = 2, s.H = 3, s.Hv = 4, s.pad_rate = 0.3;
+  auto p = make_problem<T>(s, 37);
+  p.padding[0] = 0, p.padding[s.S] = 0;  // every row sees key 0
+  p.w.post_softmax << 0.9, -0.4, 0.3,  // rows of either sign of sum
+      -1, -0.2, 0.5,                   //
+      0.1, 0.1, -0.8,                  //
+      0.6, 0.7, 0.2;
+  const Result<T> got = run(p);
+  bool some_negative = false;
+  for (Index b = 0; b < s.B; ++b)
+    for (Index c = 0; c < s.Hv; ++c) {
+      const double want = static_cast<double>(p.w.post_softmax.row(c).sum());
+      for (Index i = 0; i < s.T; ++i) {
+        double sum = 0;
+        for (Index j = 0; j < s.S; ++j) {
+          const double u = static_cast<double>(got.probs[((b * s.Hv + c) * s.T + i) * s.S + j]);
+          sum += u;
+          some_negative = some_negative || u < 0;
+        }
+        EXPECT_NEAR(sum, want, 1e-5) << b << "," << c << "," << i;
+      }
+    }
+  EXPECT_TRUE(some_negative);  // rows 1 and 2 of the mix make some weights negative
+}
+
+// The pre mix can make logits large: 1e3-sized mixing weights give logits of
+// ~1e3 that a naive exp overflows in float. Float bound: a logit ~1e3 is the
+// sum of h_k = 2 products of ~1e3, so it carries ~2·1e3·6e-8 ~ 1.2e-4 of
+// absolute error, and p_j ~ exp(l_j) moves by a relative ~2.4e-4; rtol 2e-3
+// gives a margin of ~8. Outputs are convex-ish mixes of O(1) values: atol 2e-3.
+TYPED_TEST(TalkingHeadsTest, LargeMixedLogitsDoNotOverflow) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 8, s.Hk = 2, s.H = 3, s.Hv = 2, s.causal = true, s.pad_rate = 0.2;
+  auto p = make_problem<T>(s, 38);
+  p.w.pre_softmax *= T(1000);
+  const Result<T> got = run(p);
+  for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
+  const bool is_float = std::is_same_v<T, float>;
+  const Tolerance tol = is_float ? Tolerance{2e-3, 2e-3} : default_tolerance<T>();
+  const headmix_ref::RefThResult want = p.reference();
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+}
+
+TYPED_TEST(TalkingHeadsTest, BlockRowsNotDividingT) {
+  Shape s;
+  s.T = 10, s.causal = true, s.offset = -1, s.pad_rate = 0.25;
+  for (Index block : {Index(3), Index(1), Index(4), Index(10), Index(100)}) {
+    s.block_rows = block;
+    expect_matches_reference(make_problem<TypeParam>(s, 39));
+  }
+  s.causal = false, s.cross = true, s.S = 7, s.block_rows = 3;
+  expect_matches_reference(make_problem<TypeParam>(s, 40));
+}
+
+// Task boundaries do not depend on the thread count, so neither may any bit.
+// The second shape has B*T > 256 rows: the projections split into chunks too.
+TYPED_TEST(TalkingHeadsTest, ThreadCountDoesNotChangeBits) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(3);
+  shapes[0].B = 3, shapes[0].T = 10, shapes[0].cross = true, shapes[0].S = 13, shapes[0].Dkv = 5;
+  shapes[0].causal = true, shapes[0].offset = 2, shapes[0].pad_rate = 0.3, shapes[0].block_rows = 3;
+  shapes[1].B = 2, shapes[1].T = 150, shapes[1].D = 16, shapes[1].out = 12, shapes[1].Hk = 4, shapes[1].H = 6;
+  shapes[1].Hv = 3;
+  shapes[2].B = 1, shapes[2].T = 40, shapes[2].causal = true, shapes[2].post = false, shapes[2].block_rows = 7;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    auto p = make_problem<T>(shapes[n], 41 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const Result<T> one = run(p);
+    for (int threads : {2, 3}) {
+      p.s.threads = threads;
+      const Result<T> many = run(p);
+      EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads";
+      EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads";
+    }
+    expect_matches_reference(p);
+  }
+}
+
+// One Workspace through problems that grow, shrink and change head counts
+// gives what a fresh one gives, bit for bit.
+TYPED_TEST(TalkingHeadsTest, WorkspaceReusedAcrossShapes) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(5);
+  shapes[0].B = 3, shapes[0].T = 12, shapes[0].cross = true, shapes[0].S = 9, shapes[0].Dkv = 6,
+  shapes[0].pad_rate = 0.3;
+  shapes[1].B = 1, shapes[1].T = 2, shapes[1].Hk = 1, shapes[1].H = 1, shapes[1].Hv = 1, shapes[1].Dk = 3;
+  shapes[2].T = 7, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].block_rows = 2, shapes[2].Hk = 5,
+  shapes[2].H = 2, shapes[2].Hv = 6;
+  shapes[3].B = 3, shapes[3].T = 20, shapes[3].D = 12, shapes[3].pre = false, shapes[3].out_proj = false;
+  shapes[4].B = 1, shapes[4].T = 1, shapes[4].cross = true, shapes[4].S = 4, shapes[4].Dkv = 2;
+  headmix::Workspace<T> ws;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<T>(shapes[n], 45 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const Result<T> reused = run(p, ws);
+    const Result<T> fresh = run(p);
+    EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
+    EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
+    EXPECT_TRUE(all_close("output", reused.out, p.reference().output, default_tolerance<T>()));
+  }
+}
+
+// Once a workspace has seen a shape, calls of that shape allocate nothing more.
+TYPED_TEST(TalkingHeadsTest, WorkspaceStopsGrowing) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 20, s.causal = true, s.block_rows = 4;
+  const auto p = make_problem<T>(s, 50);
+  headmix::Workspace<T> ws;
+  run(p, ws);
+  const std::size_t bytes = ws.bytes();
+  run(p, ws);
+  EXPECT_EQ(ws.bytes(), bytes);
+}
+
+// probs is resized to [B, h_v, T, S] and every entry written, whatever it held.
+TYPED_TEST(TalkingHeadsTest, ProbsOutputResizedAndFullyWritten) {
+  using T = TypeParam;
+  Shape s;
+  s.cross = true, s.T = 6, s.S = 9, s.Hk = 2, s.H = 3, s.Hv = 4, s.causal = true, s.offset = 1, s.pad_rate = 0.3;
+  const auto p = make_problem<T>(s, 51);
+  const headmix_ref::RefThResult want = p.reference();
+  for (const std::vector<Index>& stale : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
+    Tensor<T> probs(stale);
+    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
+    Tensor<T> out({s.B, s.T, s.out});
+    headmix::Workspace<T> ws;
+    p.layer().forward(p.input(), out.batch(), ws, &probs);
+    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.Hv, s.T, s.S}));
+    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
+  }
+}
+
+TYPED_TEST(TalkingHeadsTest, AllocatingForwardMatchesBufferForward) {
+  using T = TypeParam;
+  Shape s;
+  s.cross = true, s.S = 7, s.out = 5, s.pad_rate = 0.2;
+  const auto p = make_problem<T>(s, 52);
+  const Result<T> expected = run(p);
+  headmix::Workspace<T> ws;
+  Tensor<T> probs;
+  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
+  EXPECT_EQ(out.shape(), (std::vector<Index>{s.B, s.T, s.out}));
+  EXPECT_TRUE(bit_identical("output", out, expected.out));
+  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
+  EXPECT_TRUE(bit_identical("output without probs", p.layer().forward(p.input(), ws), expected.out));
+}
+
+TYPED_TEST(TalkingHeadsTest, SingleSequenceForward) {
+  using T = TypeParam;
+  Shape s;
+  s.B = 1, s.T = 7, s.out = 6, s.causal = true;
+  const auto p = make_problem<T>(s, 53);
+  const Matrix<T> y = p.layer().forward(p.xq);
+  ASSERT_EQ(y.rows(), s.T);
+  ASSERT_EQ(y.cols(), s.out);
+  EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
+                        default_tolerance<T>()));
+}
+
+// set_options() may change masking, block size and threads between calls.
+TYPED_TEST(TalkingHeadsTest, OptionsChangedBetweenCalls) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 9, s.pad_rate = 0.2;
+  auto p = make_problem<T>(s, 54);
+  headmix::TalkingHeads<T> layer = p.layer();
+  headmix::Workspace<T> ws;
+  for (int step = 0; step < 3; ++step) {
+    p.s.causal = step > 0, p.s.offset = step == 2 ? -2 : 0, p.s.block_rows = 2 + step, p.s.threads = 1 + step;
+    layer.set_options(p.options());
+    Tensor<T> out({s.B, s.T, s.out});
+    layer.forward(p.input(), out.batch(), ws);
+    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
+  }
+}
+
+// flops() equals the multiply-adds of the naive algorithm: the projections,
+// and per causally visible pair h_k·Dk + h·h_k (pre) + h_v·h (post) + h_v·Dv.
+TYPED_TEST(TalkingHeadsTest, FlopsEqualReferenceCount) {
+  std::vector<Shape> shapes(8);
+  shapes[0].T = 7, shapes[0].Hk = 3, shapes[0].H = 5, shapes[0].Hv = 4;
+  shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].causal = true,
+  shapes[1].out_proj = false;
+  shapes[2].T = 8, shapes[2].causal = true, shapes[2].offset = -3, shapes[2].pad_rate = 0.5, shapes[2].pre = false;
+  shapes[3].cross = true, shapes[3].T = 3, shapes[3].S = 10, shapes[3].causal = true, shapes[3].offset = 7,
+  shapes[3].post = false;
+  shapes[4].T = 6, shapes[4].causal = true, shapes[4].offset = -20;  // nothing visible
+  shapes[5].B = 3, shapes[5].T = 1, shapes[5].pre = false, shapes[5].post = false, shapes[5].bias = false;
+  shapes[6].cross = true, shapes[6].T = 11, shapes[6].S = 4, shapes[6].causal = true, shapes[6].offset = 1,
+  shapes[6].Hk = 1, shapes[6].H = 6, shapes[6].Hv = 2, shapes[6].pad_rate = 0.3;
+  shapes[7].T = 9, shapes[7].Hk = 6, shapes[7].H = 2, shapes[7].Hv = 1, shapes[7].Dk = 2, shapes[7].Dv = 7;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<TypeParam>(shapes[n], 60 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const headmix_ref::RefThResult want = p.reference();
+    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.S);
+    EXPECT_EQ(got.projection_macs, want.projection_macs);
+    EXPECT_EQ(got.attention_macs, want.attention_macs);
+  }
+}
+
+// Long key rows make the fused stage split each tile into chunks of one or
+// two query rows (its chunk holds ~64 KiB of logits); chunk edges must not
+// show, with padding and a causal offset cutting through them.
+TYPED_TEST(TalkingHeadsTest, LongKeyRowsSplitTilesIntoChunks) {
+  Shape s;
+  s.cross = true, s.B = 1, s.T = 9, s.S = 1500, s.D = 6, s.Dkv = 5, s.Hk = 3, s.H = 5, s.Hv = 2, s.Dk = 2, s.Dv = 2;
+  s.out = 4, s.block_rows = 4, s.pad_rate = 0.3, s.causal = true, s.offset = 1495;
+  expect_matches_reference(make_problem<TypeParam>(s, 70));
+  s.causal = false, s.pre = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 71));
+  s.pre = true, s.post = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 72));
+}
+
+// ---------------------------------------------------------------------------
+// The head-mixing stages of core/head_mix.hpp on their own, against plain
+// loops in double (float bound: sums of <= 5 products of O(1) values, plus a
+// softmax: 2e-5 absolute, 2e-4 relative as elsewhere).
+
+template <class T>
+std::vector<T> random_values(Rng& rng, std::size_t n) {
+  std::vector<T> v(n);
+  for (auto& x : v) x = static_cast<T>(uniform(rng, -2, 2));
+  return v;
+}
+
+// mix_heads, mix_heads_add and mix_heads_strided are Σ_a W[g, a] in[a, e];
+// 5000 entries cross mix_heads_strided's panel edges in both types.
+TYPED_TEST(TalkingHeadsTest, HeadMixKernelsAreProductsOverHeads) {
+  using T = TypeParam;
+  Rng rng(80);
+  const Index hin = 3, hout = 4, rows = 2, cols = 2500, n = rows * cols, stride = n + 7;
+  const Matrix<T> w = random_matrix<T>(rng, hout, hin, 1.0);
+  const std::vector<T> in = random_values<T>(rng, static_cast<std::size_t>(hin * stride));
+  std::vector<double> want(static_cast<std::size_t>(hout * n));
+  for (Index g = 0; g < hout; ++g)
+    for (Index e = 0; e < n; ++e) {
+      double acc = 0;
+      for (Index a = 0; a < hin; ++a) acc += double(w(g, a)) * double(in[a * stride + e]);
+      want[g * n + e] = acc;
+    }
+  std::vector<T> packed(static_cast<std::size_t>(hin * n));  // the same values as a contiguous tile
+  for (Index a = 0; a < hin; ++a) std::copy_n(in.data() + a * stride, n, packed.data() + a * n);
+
+  std::vector<T> out(static_cast<std::size_t>(hout * n), T(7));
+  headmix::mix_heads(w, headmix::AttentionTensor<T>(packed.data(), hin, rows, cols),
+                     headmix::AttentionTensor<T>(out.data(), hout, rows, cols));
+  EXPECT_TRUE(all_close("mix_heads", out.data(), out.size(), want, default_tolerance<T>()));
+
+  std::vector<double> twice = want;
+  for (auto& x : twice) x *= 2;
+  headmix::mix_heads_add(w, headmix::AttentionTensor<T>(packed.data(), hin, rows, cols),
+                         headmix::AttentionTensor<T>(out.data(), hout, rows, cols));
+  EXPECT_TRUE(all_close("mix_heads_add", out.data(), out.size(), twice, default_tolerance<T>()));
+
+  const Index out_stride = n + 3;
+  std::vector<T> strided(static_cast<std::size_t>(hout * out_stride), T(7));
+  headmix::mix_heads_strided(w, in.data(), stride, strided.data(), out_stride, n);
+  std::vector<T> got(static_cast<std::size_t>(hout * n));
+  for (Index g = 0; g < hout; ++g) {
+    std::copy_n(strided.data() + g * out_stride, n, got.data() + g * n);
+    for (Index e = n; e < out_stride; ++e) EXPECT_EQ(strided[g * out_stride + e], T(7)) << "wrote past head " << g;
+  }
+  EXPECT_TRUE(all_close("mix_heads_strided", got.data(), got.size(), want, default_tolerance<T>()));
+}
+
+// mix_softmax_mix in place on a tile, for every chunk size, with and without
+// each mix, against: L = pre·J, mask (causal offset + padding) AFTER the mix,
+// softmax, U = post·W.
+TYPED_TEST(TalkingHeadsTest, FusedMixSoftmaxMixMatchesLoopsForAnyChunk) {
+  using T = TypeParam;
+  const Index hk = 3, h = 4, hv = 5, rows = 5, cols = 7, first_query = 10, first_key = 2, num_keys = 12;
+  const headmix::PositionMask mask{true, -6, 0};  // query 10 + r sees keys <= 4 + r: row 0 sees keys 2..4
+  std::vector<std::uint8_t> padding(num_keys, 0);
+  padding[3] = padding[7] = 1;
+  std::vector<T> bias(cols);
+  headmix::key_padding_bias(padding.data(), first_key, cols, bias.data());
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool has_pre = variant != 1, has_post = variant != 2;
+    const Index mid = has_pre ? h : hk, out_heads = has_post ? hv : mid;
+    Rng rng(81 + variant);
+    const Matrix<T> pre = random_matrix<T>(rng, h, hk, 1.0), post = random_matrix<T>(rng, hv, mid, 1.0);
+    const std::vector<T> scores = random_values<T>(rng, static_cast<std::size_t>(hk * rows * cols));
+
+    std::vector<double> want(static_cast<std::size_t>(out_heads * rows * cols), 0.0);
+    for (Index r = 0; r < rows; ++r) {
+      std::vector<double> w(static_cast<std::size_t>(mid * cols), 0.0);
+      for (Index g = 0; g < mid; ++g) {
+        std::vector<double> l(cols);
+        double top = -std::numeric_limits<double>::infinity();
+        for (Index c = 0; c < cols; ++c) {
+          const Index j = first_key + c;
+          const bool visible = j <= first_query + r + mask.causal_offset && !padding[j];
+          double v = 0;
+          for (Index a = 0; a < hk; ++a)
+            v += (has_pre ? double(pre(g, a)) : double(a == g)) * double(scores[(a * rows + r) * cols + c]);
+          l[c] = visible ? v : -std::numeric_limits<double>::infinity();
+          top = std::max(top, l[c]);
+        }
+        double sum = 0;
+        for (Index c = 0; c < cols; ++c) sum += l[c] == -std::numeric_limits<double>::infinity() ? 0 : std::exp(l[c] - top);
+        for (Index c = 0; c < cols; ++c)
+          w[g * cols + c] = l[c] == -std::numeric_limits<double>::infinity() ? 0 : std::exp(l[c] - top) / sum;
+      }
+      for (Index o = 0; o < out_heads; ++o)
+        for (Index c = 0; c < cols; ++c) {
+          double u = 0;
+          for (Index g = 0; g < mid; ++g) u += (has_post ? double(post(o, g)) : double(o == g)) * w[g * cols + c];
+          want[(o * rows + r) * cols + c] = u;
+        }
+    }
+
+    for (Index chunk : {Index(1), Index(2), Index(3), Index(5), Index(50)}) {
+      SCOPED_TRACE("variant " + std::to_string(variant) + " chunk " + std::to_string(chunk));
+      std::vector<T> tile(static_cast<std::size_t>(std::max(hk, out_heads) * rows * cols), T(-9));
+      std::copy(scores.begin(), scores.end(), tile.begin());
+      std::vector<T> scratch(static_cast<std::size_t>(mid * std::min(chunk, rows) * cols));
+      const headmix::AttentionTensor<T> in(tile.data(), hk, rows, cols, first_query, first_key);
+      const headmix::AttentionTensor<T> got = headmix::mix_softmax_mix<T>(
+          has_pre ? &pre : nullptr, has_post ? &post : nullptr, in, num_keys, mask, bias.data(), scratch.data(), chunk);
+      EXPECT_EQ(got.data(), tile.data());
+      EXPECT_EQ(got.heads(), out_heads);
+      EXPECT_EQ(got.first_query(), first_query);
+      EXPECT_TRUE(all_close("U", tile.data(), want.size(), want, default_tolerance<T>()));
+      for (Index o = 0; o < out_heads; ++o)  // masked entries exactly zero
+        for (Index c : {Index(1), Index(3), Index(5)}) EXPECT_EQ(got.head(o)(0, c), T(0)) << o << "," << c;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// TalkingHeadsBadInput (the BadInput suite, named apart from other
+// variants' so that ctest names stay unique): every mismatch throws
+// shape_error naming the variant, the argument and both shapes.
+
+template <class Fn>
+std::string shape_error_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const headmix::shape_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a shape_error: ") + e.what() + ">";
+  }
+  return "<no exception>";
+}
+
+::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
+  for (const auto& part : parts)
+    if (message.find(part) == std::string::npos)
+      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
+  return ::testing::AssertionSuccess() << message;
+}
+
+#define EXPECT_SHAPE_ERROR(call, ...)                                                          \
+  do {                                                                                         \
+    EXPECT_THROW(call, headmix::shape_error);                                                  \
+    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[talking_heads]", __VA_ARGS__})); \
+  } while (0)
+
+// A valid cross-attention setup with three different head counts (D != Dkv,
+// Dk != Dv, out != D); each test breaks exactly one thing.
+class TalkingHeadsBadInput : public ::testing::Test {
+ protected:
+  static constexpr int B = 2, T = 5, S = 7, D = 16, Dkv = 12, Hk = 2, H = 3, Hv = 4, Dk = 4, Dv = 3, Out = 10;
+
+  TalkingHeadsBadInput() {
+    Rng rng(99);
+    w.q = random_linear<double>(rng, Hk * Dk, D, true);
+    w.k = random_linear<double>(rng, Hk * Dk, Dkv, true);
+    w.v = random_linear<double>(rng, Hv * Dv, Dkv, true);
+    w.o = random_linear<double>(rng, Out, Hv * Dv, true);
+    w.pre_softmax = random_matrix<double>(rng, H, Hk, 1.0);
+    w.post_softmax = random_matrix<double>(rng, Hv, H, 1.0);
+    opt.num_heads = H;
+    opt.key_heads = Hk;
+    opt.value_heads = Hv;
+    xq = random_matrix<double>(rng, B * T, D, 1.0);
+    xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
+    out.resize(B * T, Out);
+  }
+
+  headmix::AttentionInput<double> input() const {
+    return {headmix::ConstBatchView<double>(xq.data(), B, T, D), headmix::ConstBatchView<double>(xk.data(), B, S, Dkv),
+            headmix::KeyPadding{padding.data(), B, S}};
+  }
+  headmix::BatchView<double> out_view() { return headmix::BatchView<double>(out.data(), B, T, Out); }
+  void build() const { headmix::TalkingHeads<double> layer(w, opt); }
+  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
+    headmix::TalkingHeads<double> layer(w, opt);
+    headmix::Workspace<double> ws;
+    layer.forward(in, dst, ws);
+  }
+
+  headmix::TalkingHeadsWeights<double> w;
+  headmix::TalkingHeadsOptions opt;
+  Matrix<double> xq, xk, out;
+  std::vector<std::uint8_t> padding = std::vector<std::uint8_t>(B * S, 0);
+};
+
+TEST_F(TalkingHeadsBadInput, ValidSetupRuns) { EXPECT_NO_THROW(forward(input(), out_view())); }
+
+TEST_F(TalkingHeadsBadInput, ZeroHeads) {
+  opt.num_heads = 0;
+  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
+}
+
+TEST_F(TalkingHeadsBadInput, NegativeKeyHeads) {
+  opt.key_heads = -1;
+  EXPECT_SHAPE_ERROR(build(), "key_heads", "expected >= 1 (or 0 for num_heads)", "got -1");
+}
+
+TEST_F(TalkingHeadsBadInput, NegativeValueHeads) {
+  opt.value_heads = -2;
+  EXPECT_SHAPE_ERROR(build(), "value_heads", "expected >= 1 (or 0 for num_heads)", "got -2");
+}
+
+TEST_F(TalkingHeadsBadInput, QueryRowsNotDivisibleByKeyHeads) {
+  opt.key_heads = 3;  // q has 8 rows
+  w.pre_softmax.resize(H, 3);
+  EXPECT_SHAPE_ERROR(build(), "q.weight", "expected [", "key_heads = 3", "got [8, 16]");
+}
+
+TEST_F(TalkingHeadsBadInput, ValueRowsNotDivisibleByValueHeads) {
+  opt.value_heads = 5;  // v has 12 rows
+  w.post_softmax.resize(5, H);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [", "value_heads = 5", "got [12, 12]");
+}
+
+TEST_F(TalkingHeadsBadInput, KeyRowsNotQueryRows) {
+  w.k.weight.conservativeResize(6, Dkv);
+  w.k.bias.conservativeResize(6);
+  EXPECT_SHAPE_ERROR(build(), "k.weight", "expected [8, 12]", "got [6, 12]");
+}
+
+TEST_F(TalkingHeadsBadInput, KeyColumnsNotValueColumns) {
+  w.v.weight.conservativeResize(Hv * Dv, Dkv - 1);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [12, 12]", "got [12, 11]");
+}
+
+TEST_F(TalkingHeadsBadInput, NoQueryWeight) {
+  w.q.weight.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "q.weight", "expected [", "got [0, 0]");
+}
+
+TEST_F(TalkingHeadsBadInput, QueryBiasLength) {
+  w.q.bias.conservativeResize(7);
+  EXPECT_SHAPE_ERROR(build(), "q.bias", "expected [8]", "got [7]");
+}
+
+TEST_F(TalkingHeadsBadInput, KeyBiasLength) {
+  w.k.bias.conservativeResize(9);
+  EXPECT_SHAPE_ERROR(build(), "k.bias", "expected [8]", "got [9]");
+}
+
+TEST_F(TalkingHeadsBadInput, ValueBiasLength) {
+  w.v.bias.conservativeResize(11);
+  EXPECT_SHAPE_ERROR(build(), "v.bias", "expected [12]", "got [11]");
+}
+
+TEST_F(TalkingHeadsBadInput, OutputWeightColumnsNotValueHeadsTimesValueDim) {
+  w.o.weight.conservativeResize(Out, Hv * Dv - 1);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 12]", "got [10, 11]");
+}
+
+TEST_F(TalkingHeadsBadInput, OutputBiasLength) {
+  w.o.bias.conservativeResize(Out - 1);
+  EXPECT_SHAPE_ERROR(build(), "o.bias", "expected [10]", "got [9]");
+}
+
+TEST_F(TalkingHeadsBadInput, OutputBiasWithoutOutputWeight) {
+  w.o.weight.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 12]", "got [0, 0]");
+}
+
+TEST_F(TalkingHeadsBadInput, PreMixRowsNotNumHeads) {
+  w.pre_softmax.resize(H + 1, Hk);
+  EXPECT_SHAPE_ERROR(build(), "pre_softmax.weight", "expected [3, 2]", "got [4, 2]");
+}
+
+TEST_F(TalkingHeadsBadInput, PreMixColumnsNotKeyHeads) {
+  w.pre_softmax.resize(H, Hk + 2);
+  EXPECT_SHAPE_ERROR(build(), "pre_softmax.weight", "expected [3, 2]", "got [3, 4]");
+}
+
+TEST_F(TalkingHeadsBadInput, PreMixTransposed) {
+  w.pre_softmax.transposeInPlace();
+  EXPECT_SHAPE_ERROR(build(), "pre_softmax.weight", "expected [3, 2]", "got [2, 3]");
+}
+
+TEST_F(TalkingHeadsBadInput, PreMixEmptyButNotAbsent) {
+  w.pre_softmax.resize(H, 0);
+  EXPECT_SHAPE_ERROR(build(), "pre_softmax.weight", "expected [3, 2]", "got [3, 0]");
+}
+
+TEST_F(TalkingHeadsBadInput, PostMixRowsNotValueHeads) {
+  w.post_softmax.resize(Hv - 1, H);
+  EXPECT_SHAPE_ERROR(build(), "post_softmax.weight", "expected [4, 3]", "got [3, 3]");
+}
+
+TEST_F(TalkingHeadsBadInput, PostMixColumnsNotNumHeads) {
+  w.post_softmax.resize(Hv, H + 1);
+  EXPECT_SHAPE_ERROR(build(), "post_softmax.weight", "expected [4, 3]", "got [4, 4]");
+}
+
+TEST_F(TalkingHeadsBadInput, PostMixTransposed) {
+  w.post_softmax.transposeInPlace();
+  EXPECT_SHAPE_ERROR(build(), "post_softmax.weight", "expected [4, 3]", "got [3, 4]");
+}
+
+TEST_F(TalkingHeadsBadInput, MissingPreMixNeedsKeyHeadsEqualNumHeads) {
+  w.pre_softmax.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "pre_softmax.weight", "expected [3, 2]", "key_heads = 2", "num_heads = 3",
+                     "got none");
+}
+
+TEST_F(TalkingHeadsBadInput, MissingPostMixNeedsNumHeadsEqualValueHeads) {
+  w.post_softmax.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "post_softmax.weight", "expected [4, 3]", "num_heads = 3", "value_heads = 4",
+                     "got none");
+}
+
+// value_heads = 0 (and key_heads = 0) mean num_heads: the mix must then be [h, h].
+TEST_F(TalkingHeadsBadInput, DefaultHeadCountsFollowNumHeads) {
+  opt.value_heads = 0;  // 3 value heads of width 4 still fit v's 12 rows
+  EXPECT_SHAPE_ERROR(build(), "post_softmax.weight", "expected [3, 3]", "got [4, 3]");
+}
+
+TEST_F(TalkingHeadsBadInput, QueryWidth) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(xq.data(), B, T, D - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
+}
+
+TEST_F(TalkingHeadsBadInput, KeyWidth) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(xk.data(), B, S, Dkv - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [2, 7, 11]");
+}
+
+TEST_F(TalkingHeadsBadInput, KeyBatchNotQueryBatch) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(xk.data(), 1, S, Dkv);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [1, 7, 12]");
+}
+
+TEST_F(TalkingHeadsBadInput, KeyPaddingMaskShape) {
+  auto in = input();
+  in.key_padding.keys = S - 1;
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [2, 6]");
+  in.key_padding = headmix::KeyPadding{padding.data(), 1, S};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [1, 7]");
+}
+
+TEST_F(TalkingHeadsBadInput, OutputBufferShape) {
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
+                     "expected [2, 5, 10]", "got [2, 5, 9]");
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T - 1, Out)), "output",
+                     "expected [2, 5, 10]", "got [2, 4, 10]");
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>()), "output", "expected [2, 5, 10]", "no buffer");
+}
+
+TEST_F(TalkingHeadsBadInput, ZeroLengthQuery) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(xq.data(), B, 0, D);
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "T >= 1",
+                     "got [2, 0, 16]");
+}
+
+TEST_F(TalkingHeadsBadInput, ZeroLengthKey) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(xk.data(), B, 0, Dkv);
+  in.key_padding = {};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, S >= 1, 12]", "got [2, 0, 12]");
+}
+
+TEST_F(TalkingHeadsBadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
+  auto in = input();
+  in.key = {};
+  in.key_padding = {};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
+}
+
+TEST_F(TalkingHeadsBadInput, ZeroBlockRows) {
+  opt.block_rows = 0;
+  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 1", "got 0");
+}
+
+TEST_F(TalkingHeadsBadInput, ZeroThreads) {
+  opt.threads = 0;
+  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+}
+
+TEST_F(TalkingHeadsBadInput, NonFiniteScale) {
+  opt.scale = std::numeric_limits<double>::infinity();
+  EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number", "got inf");
+}
+
+// set_options() validates like the constructor and keeps the old options
+// when the new ones are invalid, so a layer never runs misconfigured.
+TEST_F(TalkingHeadsBadInput, SetOptionsValidates) {
+  headmix::TalkingHeads<double> layer(w, opt);
+  headmix::Workspace<double> ws;
+  headmix::TalkingHeadsOptions bad = opt;
+  bad.block_rows = 0;
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "block_rows", "expected >= 1", "got 0");
+  bad = opt;
+  bad.threads = 0;
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "threads", "expected >= 1", "got 0");
+  bad = opt;
+  bad.value_heads = 3;  // v's 12 rows split into 3 heads, but post_softmax is [4, 3]
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "post_softmax.weight", "expected [3, 3]", "got [4, 3]");
+  bad = opt;
+  bad.key_heads = 3;  // 8 q rows do not split into 3 heads
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "q.weight", "key_heads = 3", "got [8, 16]");
+  bad = opt;
+  bad.num_heads = 0;
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "num_heads", "expected >= 1", "got 0");
+  EXPECT_EQ(layer.options().num_heads, H);  // unchanged after the failures
+  EXPECT_EQ(layer.options().value_heads, Hv);
+  EXPECT_NO_THROW(layer.forward(input(), out_view(), ws));
+}
+
+// from_tensors reads the spec's tensor names under a prefix; absent biases,
+// o and mixes stay absent, and the result is validated like the constructor.
+struct NamedTensors {
+  std::map<std::string, Matrix<double>> tensors;
+
+  bool contains(const std::string& name) const { return tensors.count(name) != 0; }
+  template <class T>
+  Matrix<T> matrix(const std::string& name) const {
+    return tensors.at(name).template cast<T>();
+  }
+  template <class T>
+  headmix::Vector<T> vector(const std::string& name) const {
+    const Matrix<double>& m = tensors.at(name);
+    return Eigen::Map<const headmix::Vector<double>>(m.data(), m.size()).template cast<T>();
+  }
+};
+
+TEST_F(TalkingHeadsBadInput, FromTensorsReadsNamedWeights) {
+  NamedTensors src;
+  const std::string pre = "layers.3.attn.";
+  src.tensors[pre + "q.weight"] = w.q.weight;
+  src.tensors[pre + "q.bias"] = w.q.bias;
+  src.tensors[pre + "k.weight"] = w.k.weight;
+  src.tensors[pre + "v.weight"] = w.v.weight;
+  src.tensors[pre + "o.weight"] = w.o.weight;
+  src.tensors[pre + "pre_softmax.weight"] = w.pre_softmax;
+  src.tensors[pre + "post_softmax.weight"] = w.post_softmax;
+  const auto layer = headmix::TalkingHeads<float>::from_tensors(src, pre, opt);
+  EXPECT_TRUE(layer.has_pre_mix());
+  EXPECT_TRUE(layer.has_post_mix());
+  EXPECT_EQ(layer.weights().q.bias.size(), Hk * Dk);
+  EXPECT_FALSE(layer.weights().k.has_bias());
+  EXPECT_EQ(layer.out_dim(), Out);
+  EXPECT_EQ(layer.weights().post_softmax(1, 2), static_cast<float>(w.post_softmax(1, 2)));
+
+  src.tensors.erase(pre + "post_softmax.weight");  // h = 3 != h_v = 4: the mix is required
+  EXPECT_SHAPE_ERROR(headmix::TalkingHeads<double>::from_tensors(src, pre, opt), "post_softmax.weight", "got none");
+  src.tensors.erase(pre + "o.weight");
+  opt.value_heads = H;  // v's 12 rows as 3 heads of 4: no post mix needed, output is the heads
+  const auto no_post = headmix::TalkingHeads<double>::from_tensors(src, pre, opt);
+  EXPECT_FALSE(no_post.has_post_mix());
+  EXPECT_EQ(no_post.out_dim(), Hv * Dv);
+}
+
+}  // namespace
