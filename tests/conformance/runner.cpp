@@ -10,6 +10,7 @@
 #include "case_mha.hpp"
 #include "case_talking_heads.hpp"
 #include "case_lsh.hpp"
+#include "case_collab.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +36,7 @@ const std::map<std::string, std::pair<Runner, Runner>>& registry() {
       {"mha", {run_mha_case<double>, run_mha_case<float>}},
       {"talking_heads", {run_talking_heads_case<double>, run_talking_heads_case<float>}},
       {"lsh", {run_lsh_case<double>, run_lsh_case<float>}},
+      {"collab", {run_collab_case<double>, run_collab_case<float>}},
   };
   return r;
 }

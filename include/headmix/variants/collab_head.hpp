@@ -1,0 +1,358 @@
+// Collaborative multi-head attention, "CollabHead" (Cordonnier, Loukas,
+// Jaggi 2020, "Multi-Head Attention: Collaborate Instead of Concatenate"),
+// with the math of epfml/collaborative-attention's CollaborativeAttention:
+//
+//   Q̃ = Xq Wqᵀ [T, R],  K̃ = Xk Wkᵀ [S, R]         shared by all heads, no bias
+//   cb = Xk content_biasᵀ [S, H]                   one scalar per key and head
+//   logit_h = scale · ((Q̃ ⊙ m_h) K̃ᵀ + cb[:, h]ᵀ)   m_h = mixing[h, :] (broadcast over rows)
+//   P_h = softmax(logit_h + mask),  C_h = P_h V_h,  V = Xk Wvᵀ + bv  (head h: columns h·Dv..)
+//   y = concat_h(C_h) Woᵀ + bo   (or the concatenated heads without o)
+//   out = LayerNorm(Xq + y)      (optional; needs out_dim == D)
+//
+// scale defaults to 1/sqrt(R/H), computed in double (R/H need not be an
+// integer). Self- and cross-attention, causal with an offset, key padding;
+// masked rows give zero weights and zero context, as everywhere in headmix.
+//
+// The score stage (why it costs what it costs)
+// --------------------------------------------
+// The reference builds the mixed queries of every head at once, an
+// [H, T, R] tensor: H copies of Q̃. Here the mixing is applied per head and
+// per query block only: for head h and a block of `rows` queries the pipeline
+// asks for one [rows, S] tile, computed as
+//   (Q̃_block[:, span_h] ⊙ scale·m_h[span_h]) · K̃[:, span_h]ᵀ   (one GEMM)
+// with the mixed block in a per-worker buffer of rows·R values that is
+// reused for every head. Scaling the query side rather than the key side is
+// the cheaper choice: a block has at most block_rows queries but S keys.
+// span_h = [first, last] non-zero column of mixing row h, found once at
+// construction. With dense mixing it is all R columns; with block
+// (CONCATENATE) mixing, as an exact MHA conversion produces, it is the head's
+// own R/H columns, so each head costs what an MHA head of width R/H costs
+// instead of H times that.
+//
+// Memory: besides the caller's output, a call keeps in its Workspace
+//   Q̃ [B·T, R] + K̃ [B·S, R] + V [B·S, H·Dv] + context [B·T, H·Dv]
+//   + content bias [H, B·S] + scaled mixing [H, R]
+//   + per worker thread: block_rows · S (one head's tile) + block_rows · R
+//     (one head's mixed queries) + S (padding bias)
+// values: attention memory grows with block_rows · (S + R), never H · T · S.
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/flops.hpp"
+#include "headmix/core/input.hpp"
+#include "headmix/core/linear.hpp"
+#include "headmix/core/parallel.hpp"
+#include "headmix/core/pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace headmix {
+
+/// As MhaOptions; `scale` defaults to 1/sqrt(shared_dim / num_heads).
+struct CollabHeadOptions {
+  Index num_heads = 1;
+  bool causal = false;
+  Index causal_offset = 0;       ///< see PositionMask: query i sees keys j <= i + causal_offset
+  std::optional<double> scale;   ///< default 1/sqrt(R / H), in double
+  Index block_rows = 64;         ///< query rows per pipeline task
+  int threads = 1;               ///< worker threads; results do not depend on it
+};
+
+/// out = (z − mean(z)) / sqrt(var(z) + eps) ⊙ weight + bias over the last
+/// dimension of z = Xq + y, with the biased variance (torch.nn.LayerNorm).
+/// Empty weight and bias: no LayerNorm.
+template <class T>
+struct CollabLayerNorm {
+  Vector<T> weight;   ///< [D]
+  Vector<T> bias;     ///< [D]
+  double eps = 1e-5;  ///< torch's default
+
+  bool empty() const { return weight.size() == 0 && bias.size() == 0; }
+};
+
+/// Parameters in PyTorch layout (tensor names of the epfml layer in
+/// conformance/collab.md in the comments).
+template <class T>
+struct CollabHeadWeights {
+  Matrix<T> q;             ///< [R, D]       query.weight: shared query projection, no bias
+  Matrix<T> k;             ///< [R, Dkv]     key.weight: shared key projection, no bias
+  Matrix<T> mixing;        ///< [H, R]       mixing: head h scales the shared dimensions by row h
+  Matrix<T> content_bias;  ///< [H, Dkv]     content_bias.weight; empty for none
+  Linear<T> v;             ///< [H·Dv, Dkv]  value
+  Linear<T> o;             ///< [out_dim, H·Dv], optional (dense); without it the output is [B, T, H·Dv]
+  CollabLayerNorm<T> layer_norm;  ///< optional LayerNorm(Xq + y); needs out_dim == D
+};
+
+template <class T>
+class CollabHead {
+ public:
+  static constexpr const char* kName = "collab";
+
+  CollabHead(CollabHeadWeights<T> weights, CollabHeadOptions options) : w_(std::move(weights)), opt_(options) {
+    validate(w_, opt_);
+    // Head h only needs the columns between its first and last non-zero
+    // mixing entry; an all-zero row needs none (its logits are the content
+    // bias alone).
+    const Index H = w_.mixing.rows(), R = w_.mixing.cols();
+    span_.assign(static_cast<std::size_t>(H), {0, 0});
+    for (Index h = 0; h < H; ++h) {
+      Index lo = 0, hi = R;
+      while (lo < hi && w_.mixing(h, lo) == T(0)) ++lo;
+      while (hi > lo && w_.mixing(h, hi - 1) == T(0)) --hi;
+      span_[static_cast<std::size_t>(h)] = {lo, hi - lo};
+    }
+  }
+
+  Index num_heads() const { return opt_.num_heads; }
+  Index shared_dim() const { return w_.q.rows(); }
+  Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }
+  Index embed_dim() const { return w_.q.cols(); }
+  Index key_dim() const { return w_.k.cols(); }
+  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  bool has_content_bias() const { return w_.content_bias.size() != 0; }
+  bool has_layer_norm() const { return !w_.layer_norm.empty(); }
+  /// The logit scale as a double: options().scale, or 1/sqrt(R/H).
+  double scale_value() const {
+    return opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(shared_dim()) / static_cast<double>(num_heads())));
+  }
+  T scale() const { return static_cast<T>(scale_value()); }
+  /// Columns [first, first + count) of the shared dimension that head h uses.
+  std::pair<Index, Index> head_span(Index h) const { return span_.at(static_cast<std::size_t>(h)); }
+  const CollabHeadWeights<T>& weights() const { return w_; }
+  const CollabHeadOptions& options() const { return opt_; }
+  /// Masking, block size and threads may change between calls; forward()
+  /// checks them again.
+  CollabHeadOptions& options() { return opt_; }
+
+  /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the
+  /// attention weights are written there as [B, H, T, S].
+  void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    validate(w_, opt_);
+    check_input(kName, in, embed_dim(), key_dim());
+    const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
+    check_output(kName, out, B, T_, out_dim());
+    const Index H = num_heads(), R = shared_dim(), dv = v_head_dim();
+    const int threads = opt_.threads;
+
+    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, R);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, R);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, H * dv);
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
+    MatrixMap<T> mix = ws.shared_matrix(kMixSlot, H, R);
+    MatrixMap<T> cb = ws.shared_matrix(kBiasSlot, has_content_bias() ? H : 0, B * S);
+    const auto xk = in.keys().rows();
+    project_rows<T>(Unbiased{w_.q}, in.query.rows(), q, threads);
+    project_rows<T>(Unbiased{w_.k}, xk, k, threads);
+    project_rows<T>(w_.v, xk, v, threads);
+    const T s = scale();
+    mix = s * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
+    if (has_content_bias()) {
+      // cb is kept transposed, [H, B·S], so that a head's bias over a key
+      // block is one contiguous row segment. Fixed row chunks keep the GEMM
+      // shapes, and so the bits, independent of the thread count.
+      constexpr Index chunk = 256;
+      const Index n = B * S;
+      parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
+        const Index r0 = c * chunk, rows = std::min(chunk, n - r0);
+        cb.middleCols(r0, rows).noalias() = w_.content_bias * xk.middleRows(r0, rows).transpose();
+        cb.middleCols(r0, rows) *= s;
+      });
+    }
+
+    // Every worker's mixed-query buffer at full size before the parallel
+    // region: no allocation, and no slot list growing, inside it.
+    Index widest = 0;
+    for (const auto& sp : span_) widest = std::max(widest, sp.second);
+    const Index block = std::min(opt_.block_rows, T_);
+    ws.reserve_workers(std::max(1, threads));
+    for (int w = 0; w < std::max(1, threads); ++w) ws.local(w, kMixedQuerySlot, block * widest);
+
+    DenseRun<T> run;
+    run.batch = B;
+    run.queries = T_;
+    run.keys = S;
+    run.mask = mask();
+    run.padding = in.key_padding;
+    run.block_rows = opt_.block_rows;
+    run.threads = threads;
+    run.context = ctx.data();
+    if (probs) {
+      probs->resize({B, H, T_, S});
+      run.probs = probs->data();
+    }
+    run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, S, H, dv, has_content_bias()}, run, ws);
+
+    auto y = out.rows();
+    if (w_.o.empty())
+      y = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), y, threads);
+    if (has_layer_norm()) add_and_normalize(in.query.rows(), y, threads);
+  }
+
+  /// Allocating form: returns [B, T, out_dim].
+  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
+    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
+    forward(in, out.batch(), ws, probs);
+    return out;
+  }
+
+  /// Self-attention over one sequence [T, D] -> [T, out_dim].
+  Matrix<T> forward(const Matrix<T>& x) const {
+    Workspace<T> ws;
+    Matrix<T> y(x.rows(), out_dim());
+    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
+    return y;
+  }
+
+  /// Multiply-adds of one call on B sequences of T queries and S keys.
+  ///
+  /// With w_h = head_span(h).second and W = Σ_h w_h (H·R for dense mixing):
+  ///   projection: B·(T·D·R + S·Dkv·(R + H·Dv + H [content bias]) + T·H·Dv·out_dim [o])
+  ///   attention:  B·(T·W [mixed queries] + visible·(W + H·Dv) [scores, readout])
+  /// where visible = (query, key) pairs the causal mask leaves (padding does
+  /// not change the work). Scale, softmax and LayerNorm are element-wise and
+  /// not counted, as in Mha::flops.
+  ///
+  /// Against MHA (Mha::flops: B·(T·D·H·Dk + S·Dkv·H·(Dk + Dv) + T·H·Dv·out
+  /// + visible·H·(Dk + Dv))) with the same values and output, CollabHead
+  /// saves (T·D + S·Dkv)·(H·Dk − R) on the query/key projections and pays
+  /// visible·(W − H·Dk) more on the scores, plus S·Dkv·H + T·W. So:
+  ///   * block (CONCATENATE) mixing with R = H·Dk (the exact MHA copy):
+  ///     W = H·Dk, the cost of MHA plus ~1% (content bias, mixing);
+  ///   * dense mixing, R = H·Dk/2: cheaper only for short sequences. For
+  ///     BERT-base (D = 768, H = 12, Dk = 64, R = 384, self-attention,
+  ///     non-causal) the break-even is T ≈ 150; at T = 1024 CollabHead does
+  ///     ~1.9× MHA's work, at R = 768 ~3.2×. Its win is parameters
+  ///     (2·D·R instead of 2·D·H·Dk) and short-context cost.
+  FlopCount flops(Index B, Index T_, Index S) const {
+    const Index H = num_heads(), R = shared_dim(), dv = v_head_dim();
+    Index W = 0;
+    for (const auto& sp : span_) W += sp.second;
+    FlopCount f;
+    f.projection_macs = B * (T_ * embed_dim() * R + S * key_dim() * (R + H * dv + (has_content_bias() ? H : 0)) +
+                             (w_.o.empty() ? 0 : T_ * H * dv * out_dim()));
+    f.attention_macs = B * (T_ * W + mask().visible_pairs(T_, S) * (W + H * dv));
+    return f;
+  }
+
+ private:
+  static constexpr std::size_t kMixSlot = slot::variant, kBiasSlot = slot::variant + 1;
+  static constexpr std::size_t kMixedQuerySlot = slot::local_variant;
+
+  // A bias-free projection x · weightᵀ for project_rows.
+  struct Unbiased {
+    const Matrix<T>& weight;
+    template <class In, class Out>
+    void apply(const Eigen::MatrixBase<In>& x, Eigen::MatrixBase<Out> const& y_) const {
+      auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
+      y.noalias() = x * weight.transpose();
+    }
+  };
+
+  // The score and readout stages; no mixing over heads after the score.
+  struct Policy {
+    MatrixMap<T> q, k, v, mix, cb;
+    const std::pair<Index, Index>* span;
+    Index T_, S, H, dv;
+    bool content_bias;
+
+    Index score_heads() const { return H; }
+    Index softmax_heads() const { return H; }
+    Index value_heads() const { return H; }
+    Index value_dim() const { return dv; }
+    bool has_pre_mix() const { return false; }
+    bool has_post_mix() const { return false; }
+
+    void score(Index b, Index h, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>& ws, int worker) const {
+      const Index rows = out.rows(), cols = out.cols();
+      const auto [first, width] = span[h];
+      if (width > 0) {
+        MatrixMap<T> mixed(ws.local(worker, kMixedQuerySlot, rows * width), rows, width);
+        mixed.array() = q.block(b * T_ + q0, first, rows, width).array().rowwise() *
+                        mix.row(h).segment(first, width).array();
+        out.noalias() = mixed * k.block(b * S + k0, first, cols, width).transpose();
+      } else {
+        out.setZero();
+      }
+      if (content_bias) out.rowwise() += cb.row(h).segment(b * S + k0, cols);
+    }
+    auto values(Index b, Index h, Index k0, Index count) const { return v.block(b * S + k0, h * dv, count, dv); }
+    template <class... A>
+    void pre_mix(A&&...) const {}
+    template <class... A>
+    void post_mix(A&&...) const {}
+  };
+
+  PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
+
+  // y ← LayerNorm(xq + y), row by row (rows are independent, so any thread
+  // split gives the same bits).
+  void add_and_normalize(const ConstMatrixMap<T>& xq, MatrixMap<T>& y, int threads) const {
+    constexpr Index chunk = 256;
+    const Index n = y.rows();
+    const T eps = static_cast<T>(w_.layer_norm.eps), inv_width = T(1) / static_cast<T>(y.cols());
+    const auto& gamma = w_.layer_norm.weight;
+    const auto& beta = w_.layer_norm.bias;
+    parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
+      const Index r0 = c * chunk, rows = std::min(chunk, n - r0);
+      auto z = y.middleRows(r0, rows);
+      z += xq.middleRows(r0, rows);
+      for (Index r = 0; r < rows; ++r) {
+        auto row = z.row(r).array();
+        const T mean = row.sum() * inv_width;
+        row -= mean;  // two passes: the variance of the centred row does not cancel
+        const T inv_std = T(1) / std::sqrt(row.square().sum() * inv_width + eps);
+        row = row * inv_std * gamma.array().transpose() + beta.array().transpose();
+      }
+    });
+  }
+
+  static void validate(const CollabHeadWeights<T>& w, const CollabHeadOptions& opt) {
+    check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
+    check_value(opt.block_rows >= 1, kName, "block_rows", ">= 1", opt.block_rows);
+    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
+    if (opt.scale && !std::isfinite(*opt.scale))
+      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt.scale));
+    const Index H = opt.num_heads, R = w.q.rows(), D = w.q.cols(), Dkv = w.k.cols();
+    if (R < 1 || D < 1)
+      detail::throw_shape(kName, "q.weight", "[R >= 1, D >= 1]", detail::format_shape(shape_of(w.q)));
+    if (Dkv < 1)
+      detail::throw_shape(kName, "k.weight", "[" + std::to_string(R) + ", Dkv >= 1]",
+                          detail::format_shape(shape_of(w.k)));
+    check_matrix(kName, "k.weight", w.k, R, Dkv);
+    check_matrix(kName, "mixing", w.mixing, H, R);
+    if (w.content_bias.size() != 0) check_matrix(kName, "content_bias.weight", w.content_bias, H, Dkv);
+    const Index hdv = w.v.out_features();
+    if (hdv == 0 || hdv % H != 0)
+      detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, Dkv] with num_heads = " + std::to_string(H),
+                          detail::format_shape(shape_of(w.v.weight)));
+    w.v.check(kName, "v", hdv, Dkv);
+    if (!w.o.empty())
+      w.o.check(kName, "o", w.o.out_features(), hdv);
+    else if (w.o.has_bias())  // a bias without its weight is a broken checkpoint, not "no projection"
+      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
+                          detail::format_shape(shape_of(w.o.weight)));
+    const auto& ln = w.layer_norm;
+    if (!ln.empty()) {
+      const Index out = w.o.empty() ? hdv : w.o.out_features();
+      if (out != D)
+        detail::throw_shape(kName, "out_dim", std::to_string(D) + " (LayerNorm(Xq + y) needs out_dim == D)",
+                            std::to_string(out));
+      check_vector(kName, "layer_norm.weight", ln.weight, D);
+      check_vector(kName, "layer_norm.bias", ln.bias, D);
+      if (!(ln.eps >= 0) || !std::isfinite(ln.eps))
+        detail::throw_shape(kName, "layer_norm.eps", "a finite number >= 0", std::to_string(ln.eps));
+    }
+  }
+
+  CollabHeadWeights<T> w_;
+  CollabHeadOptions opt_;
+  std::vector<std::pair<Index, Index>> span_;  ///< per head: first shared column, count
+};
+
+}  // namespace headmix

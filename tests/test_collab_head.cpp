@@ -1,0 +1,1061 @@
+// CollabHead<T> against the naive double reference
+// (tests/reference/collab_reference.hpp), plus the layer's argument checks
+// (the BadInput suite).
+//
+// Expectations always come from the reference, never from headmix itself.
+// Inputs and weights are drawn in T and the reference gets exactly those
+// values widened to double, so the comparison measures only the layer's
+// arithmetic error.
+//
+// Tolerance, element-wise: |got - want| <= atol + rtol * |want|
+//   double: rtol 1e-10, atol 1e-12. Values are O(1); each result is a chain
+//           of dot products of <= ~40 terms, a few hundred roundings of
+//           1.1e-16 at most (LayerNorm divides by a std of O(1)).
+//   float:  rtol 2e-4,  atol 2e-5. Same count with float's 6e-8 unit
+//           roundoff gives ~1e-6 typically; the softmax passes a logit error
+//           on to a probability at most twice over.
+// The large-logit test loosens float further; its bound is derived there.
+
+#include "headmix/headmix.hpp"
+#include "headmix/variants/collab_head.hpp"
+#include "reference/collab_reference.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+using Rng = std::mt19937;
+
+// ---------------------------------------------------------------------------
+// Random problems
+
+double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
+int uniform_int(Rng& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+
+template <class T>
+Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double lo, double hi) {
+  Matrix<T> m(rows, cols);
+  for (Index r = 0; r < rows; ++r)
+    for (Index c = 0; c < cols; ++c) m(r, c) = static_cast<T>(uniform(rng, lo, hi));
+  return m;
+}
+template <class T>
+Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
+  return random_matrix<T>(rng, rows, cols, -bound, bound);
+}
+
+// Weights bounded by 1/sqrt(fan_in), like torch's init, so activations stay O(1).
+template <class T>
+headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
+  headmix::Linear<T> lin;
+  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
+  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
+  return lin;
+}
+
+enum class Mixing {
+  dense,     // every entry non-zero
+  block,     // CONCATENATE: head h owns columns [h·c, (h+1)·c), c = ceil(R/H), random values there
+  banded,    // each head a random column range, zeros outside and one zero inside
+  zero_row,  // dense, but head 0 has an all-zero row (its logits are the content bias alone)
+};
+
+/// One test problem. Self-attention forces S = T and Dkv = D. LayerNorm
+/// forces out_dim = D (out = D, or Dv = D / H without o).
+struct Shape {
+  int B = 2, T = 5, S = 5, D = 8, Dkv = 8, H = 2, R = 6, Dv = 4, out = 8;
+  bool cross = false;
+  bool content_bias = true;
+  bool v_bias = true;
+  bool out_proj = true;
+  bool layer_norm = false;
+  Mixing mixing = Mixing::dense;
+  double scale = 0;  // 0: the default 1/sqrt(R/H)
+  bool causal = false;
+  long offset = 0;
+  double pad_rate = 0;
+  Index block_rows = 64;
+  int threads = 1;
+
+  int out_dim() const { return out_proj ? out : H * Dv; }
+};
+
+std::string describe(const Shape& s) {
+  std::ostringstream o;
+  o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " H=" << s.H
+    << " R=" << s.R << " Dv=" << s.Dv << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
+    << (s.cross ? " cross" : " self") << " cb=" << s.content_bias << " v_bias=" << s.v_bias << " ln=" << s.layer_norm
+    << " mixing=" << static_cast<int>(s.mixing) << " scale=" << s.scale << " causal=" << s.causal
+    << " offset=" << s.offset << " pad_rate=" << s.pad_rate << " block_rows=" << s.block_rows
+    << " threads=" << s.threads;
+  return o.str();
+}
+
+template <class M>
+std::vector<double> flat(const M& m) {
+  std::vector<double> r;
+  for (Index i = 0; i < m.rows(); ++i)
+    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
+  return r;
+}
+
+template <class T>
+headmix_ref::RefLinear to_ref(const headmix::Linear<T>& lin) {
+  headmix_ref::RefLinear r;
+  r.out = static_cast<int>(lin.weight.rows());
+  r.in = static_cast<int>(lin.weight.cols());
+  r.weight = flat(lin.weight);
+  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
+  return r;
+}
+
+template <class T>
+headmix_ref::RefBatch to_ref_batch(const Matrix<T>& m, int batch) {
+  headmix_ref::RefBatch r;
+  r.batch = batch;
+  r.length = static_cast<int>(m.rows()) / batch;
+  r.width = static_cast<int>(m.cols());
+  r.data = flat(m);
+  return r;
+}
+
+template <class T>
+Matrix<T> make_mixing(Rng& rng, const Shape& s) {
+  Matrix<T> m = random_matrix<T>(rng, s.H, s.R, 1.0);
+  if (s.mixing == Mixing::block) {
+    const int c = (s.R + s.H - 1) / s.H;
+    for (int h = 0; h < s.H; ++h)
+      for (int r = 0; r < s.R; ++r)
+        if (r < h * c || r >= (h + 1) * c) m(h, r) = T(0);
+  } else if (s.mixing == Mixing::banded) {
+    for (int h = 0; h < s.H; ++h) {
+      const int lo = uniform_int(rng, 0, s.R - 1), hi = uniform_int(rng, lo + 1, s.R);
+      for (int r = 0; r < s.R; ++r)
+        if (r < lo || r >= hi) m(h, r) = T(0);
+      if (hi - lo >= 3) m(h, lo + 1) = T(0);  // a zero inside the span is still computed
+    }
+  } else if (s.mixing == Mixing::zero_row) {
+    m.row(0).setZero();
+  }
+  return m;
+}
+
+template <class T>
+struct Problem {
+  Shape s;
+  headmix::CollabHeadWeights<T> w;
+  Matrix<T> xq;                       // [B*T, D]
+  Matrix<T> xk;                       // [B*S, Dkv]; unused for self-attention
+  std::vector<std::uint8_t> padding;  // [B, S] or empty
+
+  headmix::CollabHeadOptions options() const {
+    headmix::CollabHeadOptions o;
+    o.num_heads = s.H;
+    o.causal = s.causal;
+    o.causal_offset = s.offset;
+    if (s.scale != 0) o.scale = s.scale;
+    o.block_rows = s.block_rows;
+    o.threads = s.threads;
+    return o;
+  }
+  headmix::CollabHead<T> layer() const { return headmix::CollabHead<T>(w, options()); }
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
+    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
+    return in;
+  }
+  headmix_ref::RefCollabWeights ref_weights() const {
+    headmix_ref::RefCollabWeights r;
+    r.num_heads = s.H, r.shared_dim = s.R, r.embed_dim = s.D, r.key_dim = s.Dkv;
+    r.q = flat(w.q), r.k = flat(w.k), r.mixing = flat(w.mixing), r.content_bias = flat(w.content_bias);
+    r.v = to_ref(w.v), r.o = to_ref(w.o);
+    for (Index i = 0; i < w.layer_norm.weight.size(); ++i) r.ln_weight.push_back(double(w.layer_norm.weight(i)));
+    for (Index i = 0; i < w.layer_norm.bias.size(); ++i) r.ln_bias.push_back(double(w.layer_norm.bias(i)));
+    r.ln_eps = w.layer_norm.eps;
+    return r;
+  }
+  headmix_ref::RefMhaResult reference() const {
+    headmix_ref::RefCollabOptions ro;
+    ro.causal = s.causal;
+    ro.causal_offset = s.offset;
+    // The reference gets the scale the layer uses: the float layer rounds it to float.
+    ro.scale = static_cast<double>(layer().scale());
+    const headmix_ref::RefBatch q = to_ref_batch(xq, s.B);
+    if (!s.cross) return headmix_ref::collab_reference(ref_weights(), ro, q, nullptr, padding);
+    const headmix_ref::RefBatch k = to_ref_batch(xk, s.B);
+    return headmix_ref::collab_reference(ref_weights(), ro, q, &k, padding);
+  }
+};
+
+template <class T>
+Problem<T> make_problem(Shape s, unsigned seed) {
+  if (!s.cross) s.S = s.T, s.Dkv = s.D;
+  if (s.layer_norm) {
+    if (s.out_proj)
+      s.out = s.D;
+    else
+      s.D = s.H * s.Dv, s.Dkv = s.cross ? s.Dkv : s.D;
+  }
+  Rng rng(seed);
+  Problem<T> p;
+  p.s = s;
+  p.w.q = random_matrix<T>(rng, s.R, s.D, 1.0 / std::sqrt(double(s.D)));
+  p.w.k = random_matrix<T>(rng, s.R, s.Dkv, 1.0 / std::sqrt(double(s.Dkv)));
+  p.w.mixing = make_mixing<T>(rng, s);
+  if (s.content_bias) p.w.content_bias = random_matrix<T>(rng, s.H, s.Dkv, 1.0 / std::sqrt(double(s.Dkv)));
+  p.w.v = random_linear<T>(rng, s.H * s.Dv, s.Dkv, s.v_bias);
+  if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.H * s.Dv, true);
+  if (s.layer_norm) {
+    p.w.layer_norm.weight = random_matrix<T>(rng, s.D, 1, 0.5, 1.5);
+    p.w.layer_norm.bias = random_matrix<T>(rng, s.D, 1, 0.5);
+  }
+  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
+  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
+  if (s.pad_rate > 0) {
+    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
+    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing
+
+template <class T>
+struct Result {
+  Tensor<T> out, probs;
+};
+
+template <class T>
+Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
+  Result<T> r;
+  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
+  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
+  return r;
+}
+
+template <class T>
+Result<T> run(const Problem<T>& p) {
+  headmix::Workspace<T> ws;
+  return run(p, ws);
+}
+
+struct Tolerance {
+  double rtol, atol;
+};
+template <class T>
+Tolerance default_tolerance();
+template <>
+Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
+template <>
+Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
+
+template <class T>
+::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
+                                     Tolerance tol) {
+  if (n != want.size())
+    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
+  std::size_t bad = 0, first = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double g = static_cast<double>(got[i]), err = std::abs(g - want[i]);
+    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
+    if (!(err <= allowed)) {  // also catches NaN
+      if (bad++ == 0) first = i;
+      worst = std::max(worst, err / allowed);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
+                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
+                                       << want[first] << "; worst error is " << worst << "x the tolerance";
+}
+
+template <class T>
+::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
+                                     Tolerance tol) {
+  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
+}
+
+template <class T>
+::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  if (!(a.shape() == b.shape())) return ::testing::AssertionFailure() << what << ": shapes differ";
+  for (Index i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
+      return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+template <class T>
+void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.s));
+  const Result<T> got = run(p);
+  const headmix_ref::RefMhaResult want = p.reference();
+  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.S}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+}
+
+template <class T>
+class CollabHeadTest : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(CollabHeadTest, Scalars);
+
+// ---------------------------------------------------------------------------
+// Agreement with the reference
+
+TYPED_TEST(CollabHeadTest, RandomShapesMatchReference) {
+  Rng rng(20240612);
+  const Index block_choices[] = {1, 2, 3, 5, 64};
+  const Mixing mixings[] = {Mixing::dense, Mixing::dense, Mixing::block, Mixing::banded, Mixing::zero_row};
+  for (unsigned n = 0; n < 80; ++n) {
+    Shape s;
+    s.B = uniform_int(rng, 1, 3);
+    s.T = uniform_int(rng, 1, 12);
+    s.cross = uniform_int(rng, 0, 1) == 1;
+    s.S = uniform_int(rng, 1, 12);
+    s.D = uniform_int(rng, 1, 12);
+    s.Dkv = uniform_int(rng, 1, 12);
+    s.H = uniform_int(rng, 1, 4);
+    s.R = uniform_int(rng, 1, 14);
+    s.Dv = uniform_int(rng, 1, 6);
+    s.out_proj = uniform_int(rng, 0, 3) != 0;
+    s.out = uniform_int(rng, 1, 12);
+    s.content_bias = uniform_int(rng, 0, 3) != 0;
+    s.v_bias = uniform_int(rng, 0, 1) == 1;
+    s.layer_norm = uniform_int(rng, 0, 3) == 0;
+    s.mixing = mixings[uniform_int(rng, 0, 4)];
+    s.causal = uniform_int(rng, 0, 1) == 1;
+    s.offset = s.causal ? uniform_int(rng, -3, 3) : 0;
+    s.pad_rate = uniform_int(rng, 0, 2) == 0 ? 0.3 : 0.0;
+    s.block_rows = block_choices[uniform_int(rng, 0, 4)];
+    s.threads = uniform_int(rng, 1, 3);
+    expect_matches_reference(make_problem<TypeParam>(s, 1000 + n));
+  }
+}
+
+TYPED_TEST(CollabHeadTest, SingleQuery) {
+  Shape s;
+  s.T = 1;
+  expect_matches_reference(make_problem<TypeParam>(s, 1));  // self: one key
+  s.cross = true, s.S = 9, s.Dkv = 5, s.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 2));
+  s.causal = true;  // top-left alignment: the single query sees key 0 only
+  expect_matches_reference(make_problem<TypeParam>(s, 3));
+  s.offset = s.S - 1;  // decoding one new token: sees every key
+  expect_matches_reference(make_problem<TypeParam>(s, 4));
+  s.layer_norm = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 5));
+}
+
+TYPED_TEST(CollabHeadTest, CrossAttentionWithKeyWidthNotEmbedWidth) {
+  Shape s;
+  s.cross = true, s.T = 4, s.S = 9, s.D = 10, s.Dkv = 6;
+  expect_matches_reference(make_problem<TypeParam>(s, 6));
+  s.T = 9, s.S = 3;  // fewer keys than queries
+  expect_matches_reference(make_problem<TypeParam>(s, 7));
+}
+
+// R/H = 10/3 is not an integer: the default scale is 1/sqrt(10/3), in double.
+TYPED_TEST(CollabHeadTest, SharedDimNotMultipleOfHeads) {
+  Shape s;
+  s.cross = true, s.T = 5, s.S = 11, s.D = 12, s.Dkv = 12, s.H = 3, s.R = 10, s.Dv = 4, s.out = 12, s.pad_rate = 0.2;
+  const auto p = make_problem<TypeParam>(s, 8);
+  EXPECT_DOUBLE_EQ(p.layer().scale_value(), 1.0 / std::sqrt(10.0 / 3.0));
+  expect_matches_reference(p);
+  s.causal = true, s.R = 7;
+  expect_matches_reference(make_problem<TypeParam>(s, 9));
+}
+
+TYPED_TEST(CollabHeadTest, ExplicitScale) {
+  Shape s;
+  s.scale = 0.125, s.T = 7;
+  const auto p = make_problem<TypeParam>(s, 10);
+  EXPECT_EQ(p.layer().scale_value(), 0.125);
+  expect_matches_reference(p);
+  s.scale = -2.0;  // any finite value is the caller's business
+  expect_matches_reference(make_problem<TypeParam>(s, 11));
+}
+
+TYPED_TEST(CollabHeadTest, NoContentBiasNoValueBias) {
+  Shape s;
+  s.content_bias = false, s.v_bias = false, s.causal = true, s.T = 6;
+  const auto p = make_problem<TypeParam>(s, 12);
+  EXPECT_FALSE(p.layer().has_content_bias());
+  expect_matches_reference(p);
+  s.cross = true, s.S = 8, s.Dkv = 5, s.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 13));
+}
+
+TYPED_TEST(CollabHeadTest, NoOutputProjectionGivesConcatenatedHeads) {
+  Shape s;
+  s.out_proj = false, s.H = 3, s.Dv = 5;  // output width H*Dv = 15 != D
+  const auto p = make_problem<TypeParam>(s, 14);
+  ASSERT_TRUE(p.w.o.empty());
+  EXPECT_EQ(p.layer().out_dim(), 15);
+  expect_matches_reference(p);
+  s.causal = true, s.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 15));
+}
+
+// LayerNorm(Xq + y): the residual is the query-side input, also in cross-attention.
+TYPED_TEST(CollabHeadTest, LayerNorm) {
+  Shape s;
+  s.layer_norm = true, s.T = 9, s.D = 16, s.H = 4, s.R = 10, s.causal = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 16));
+  s.cross = true, s.causal = false, s.S = 6, s.Dkv = 7, s.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(s, 17));
+  s.out_proj = false, s.Dv = 3;  // D becomes H*Dv = 12
+  const auto p = make_problem<TypeParam>(s, 18);
+  EXPECT_EQ(p.s.D, 12);
+  expect_matches_reference(p);
+  Shape e = s;  // a non-default eps
+  auto q = make_problem<TypeParam>(e, 19);
+  q.w.layer_norm.eps = 0.5;
+  expect_matches_reference(q);
+}
+
+// Block mixing: each head reads only its own R/H shared columns.
+TYPED_TEST(CollabHeadTest, BlockMixingUsesOnlyEachHeadsColumns) {
+  Shape s;
+  s.mixing = Mixing::block, s.H = 4, s.R = 16, s.D = 12, s.T = 8, s.pad_rate = 0.2;
+  const auto p = make_problem<TypeParam>(s, 20);
+  const auto layer = p.layer();
+  for (Index h = 0; h < s.H; ++h) {
+    EXPECT_EQ(layer.head_span(h).first, 4 * h);
+    EXPECT_EQ(layer.head_span(h).second, 4);
+  }
+  expect_matches_reference(p);
+  s.R = 10;  // c = ceil(10/4) = 3: the last head gets a single column
+  const auto q = make_problem<TypeParam>(s, 21);
+  EXPECT_EQ(q.layer().head_span(3).first, 9);
+  EXPECT_EQ(q.layer().head_span(3).second, 1);
+  expect_matches_reference(q);
+  s.mixing = Mixing::banded;
+  expect_matches_reference(make_problem<TypeParam>(s, 22));
+  s.mixing = Mixing::zero_row;
+  const auto z = make_problem<TypeParam>(s, 23);
+  EXPECT_EQ(z.layer().head_span(0).second, 0);
+  expect_matches_reference(z);
+  s.content_bias = false;  // a zero row and no content bias: uniform weights over the visible keys
+  expect_matches_reference(make_problem<TypeParam>(s, 24));
+}
+
+TYPED_TEST(CollabHeadTest, Causal) {
+  Shape s;
+  s.T = 9, s.D = 32, s.H = 4, s.R = 20, s.Dv = 8, s.out = 32, s.causal = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 25));
+}
+
+// Offset 0 is top-left aligned (torch's triu(ones(T, S), 1)) also when S != T.
+TYPED_TEST(CollabHeadTest, CausalWithKeyCountNotQueryCount) {
+  Shape s;
+  s.cross = true, s.causal = true, s.Dkv = 6;
+  s.T = 5, s.S = 11;
+  expect_matches_reference(make_problem<TypeParam>(s, 26));
+  s.T = 11, s.S = 5, s.offset = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 27));
+}
+
+// A negative offset hides every key from the first rows: their context is
+// zero, so the output row is exactly o.bias and the weights exactly zero.
+TYPED_TEST(CollabHeadTest, CausalNegativeOffsetFullyMasksFirstRows) {
+  using T = TypeParam;
+  Shape shape;
+  shape.T = 8, shape.causal = true, shape.offset = -3, shape.block_rows = 2;
+  const auto p = make_problem<T>(shape, 28);
+  const Shape& s = p.s;
+  expect_matches_reference(p);
+  const Result<T> got = run(p);
+  for (Index b = 0; b < s.B; ++b)
+    for (Index i = 0; i < 3; ++i) {
+      for (Index c = 0; c < s.out; ++c) EXPECT_EQ(got.out.batch().item(b)(i, c), p.w.o.bias(c)) << b << "," << i;
+      for (Index h = 0; h < s.H; ++h)
+        for (Index j = 0; j < s.S; ++j) EXPECT_EQ(got.probs[((b * s.H + h) * s.T + i) * s.S + j], T(0));
+    }
+  shape.offset = -20;  // nothing visible anywhere
+  expect_matches_reference(make_problem<T>(shape, 29));
+  shape.layer_norm = true;  // LayerNorm(Xq + o.bias) on those rows, still finite
+  expect_matches_reference(make_problem<T>(shape, 30));
+}
+
+TYPED_TEST(CollabHeadTest, KeyPadding) {
+  Shape s;
+  s.cross = true, s.T = 5, s.S = 11, s.D = 24, s.Dkv = 24, s.H = 3, s.R = 10, s.Dv = 8, s.out = 24;
+  auto p = make_problem<TypeParam>(s, 31);
+  p.padding = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,   // trailing
+               0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0};  // scattered
+  expect_matches_reference(p);
+  s.cross = false, s.pad_rate = 0.4;
+  expect_matches_reference(make_problem<TypeParam>(s, 32));
+}
+
+TYPED_TEST(CollabHeadTest, CausalWithPadding) {
+  Shape s;
+  s.T = 9, s.causal = true, s.pad_rate = 0.35, s.block_rows = 4;
+  expect_matches_reference(make_problem<TypeParam>(s, 33));
+  s.cross = true, s.S = 12, s.offset = 2, s.layer_norm = true;
+  expect_matches_reference(make_problem<TypeParam>(s, 34));
+}
+
+// All keys of one batch item padded: its output rows are exactly o.bias
+// (zero without o), its weights exactly zero, and no NaN leaks anywhere.
+TYPED_TEST(CollabHeadTest, FullyMaskedRowGivesBiasAndZeroWeights) {
+  using T = TypeParam;
+  for (int variant = 0; variant < 3; ++variant) {
+    Shape s;
+    s.B = 3, s.cross = true, s.T = 4, s.S = 6;
+    s.out_proj = variant != 1;
+    s.content_bias = variant != 2;
+    s.layer_norm = variant == 2;
+    auto p = make_problem<T>(s, 35 + variant);
+    p.padding.assign(static_cast<std::size_t>(s.B) * s.S, 0);
+    std::fill(p.padding.begin() + s.S, p.padding.begin() + 2 * s.S, 1);  // item 1
+    p.padding[2 * s.S + 4] = 1;
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    expect_matches_reference(p);
+
+    const Result<T> got = run(p);
+    for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
+    for (Index i = 0; i < got.probs.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.probs[i])));
+    if (!p.s.layer_norm) {
+      const auto masked = got.out.batch().item(1);
+      for (Index i = 0; i < s.T; ++i)
+        for (Index c = 0; c < p.s.out_dim(); ++c) EXPECT_EQ(masked(i, c), p.s.out_proj ? p.w.o.bias(c) : T(0));
+    }
+    for (Index h = 0; h < s.H; ++h)
+      for (Index i = 0; i < s.T; ++i)
+        for (Index j = 0; j < s.S; ++j) EXPECT_EQ(got.probs[((1 * s.H + h) * s.T + i) * s.S + j], T(0));
+  }
+}
+
+// As collab.md's large_logits case: the key input has a common component of
+// 300, so every logit row carries an offset of several hundred (from the
+// shared key and the content bias alike; the test checks > 300) with O(1)
+// differences; a naive exp overflows.
+//
+// Float bound: logits below 1024, where float's ulp is <= 1.2e-4. Each logit
+// is a sum of R = 8 scaled products plus the content bias; the parts that do
+// not cancel across a row are rounded at most ~10 times at ulp/2:
+// |dlogit| <= 10 · 6e-5 ~ 6e-4, so |dp|/p <= 2·|dlogit| ~ 1.2e-3: probs use
+// rtol 1e-2 (atol 1e-6 for underflowed tails). The output moves by at most
+// Σ_j |dp_j||v_j| <= 1.2e-3 · max|v| per context entry times o's row sums
+// (<= 4): rtol 1e-2, atol 2e-2. Double keeps the defaults.
+TYPED_TEST(CollabHeadTest, LargeLogitOffsetsDoNotOverflow) {
+  using T = TypeParam;
+  Shape shape;
+  shape.cross = true, shape.B = 2, shape.T = 8, shape.S = 10, shape.D = 16, shape.Dkv = 16, shape.H = 2,
+  shape.R = 8, shape.Dv = 8, shape.out = 16, shape.causal = true, shape.pad_rate = 0.2;
+  auto p = make_problem<T>(shape, 40);
+  const Shape& s = p.s;
+  for (Index r = 0; r < p.xk.rows(); ++r) p.xk(r, 0) += T(300);
+  for (Index r = 0; r < s.R; ++r) p.w.k(r, 0) = T(r % 2 ? 10.0f : -10.0f);  // K̃[:, r] ≈ ±3000 for every key
+  for (Index b = 0; b < s.B; ++b) p.padding[b * s.S] = 0;                 // key 0 visible to every row
+
+  const Result<T> got = run(p);
+  for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
+  for (Index row = 0; row < got.probs.size() / s.S; ++row) {
+    double sum = 0;
+    for (Index j = 0; j < s.S; ++j) sum += static_cast<double>(got.probs[row * s.S + j]);
+    EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
+  }
+  const headmix_ref::RefMhaResult want = p.reference();
+  double max_abs_logit_offset = 0;  // check that the offsets are as large as intended
+  {
+    const auto rw = p.ref_weights();
+    for (Index i = 0; i < s.T; ++i) {
+      double qk = 0;
+      for (Index r = 0; r < s.R; ++r) {
+        double qr = 0;
+        for (Index c = 0; c < s.D; ++c) qr += double(p.xq(i, c)) * rw.q[r * s.D + c];
+        qk += qr * rw.mixing[r] * 3000.0 * (r % 2 ? 1 : -1);
+      }
+      max_abs_logit_offset = std::max(max_abs_logit_offset, std::abs(qk) * p.layer().scale_value());
+    }
+  }
+  EXPECT_GT(max_abs_logit_offset, 300.0);
+  const bool is_float = std::is_same_v<T, float>;
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, is_float ? Tolerance{1e-2, 1e-6} : default_tolerance<T>()));
+  EXPECT_TRUE(all_close("output", got.out, want.output, is_float ? Tolerance{1e-2, 2e-2} : default_tolerance<T>()));
+}
+
+// Query blocks are the pipeline's unit of work; edges must not leak.
+TYPED_TEST(CollabHeadTest, BlockRowsNotDividingT) {
+  Shape s;
+  s.T = 10, s.causal = true, s.offset = -1, s.pad_rate = 0.25;
+  for (Index block : {Index(3), Index(1), Index(4), Index(10), Index(100)}) {
+    s.block_rows = block;
+    expect_matches_reference(make_problem<TypeParam>(s, 41));
+  }
+  s.causal = false, s.cross = true, s.S = 7, s.block_rows = 3, s.mixing = Mixing::block;
+  expect_matches_reference(make_problem<TypeParam>(s, 42));
+}
+
+// Task boundaries do not depend on the thread count, so neither may a bit of
+// the result. The second shape has B*T > 256 rows, so the projections, the
+// content bias and the LayerNorm also split into several row chunks.
+TYPED_TEST(CollabHeadTest, ThreadCountDoesNotChangeBits) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(3);
+  shapes[0].B = 3, shapes[0].T = 10, shapes[0].cross = true, shapes[0].S = 13, shapes[0].Dkv = 5;
+  shapes[0].causal = true, shapes[0].offset = 2, shapes[0].pad_rate = 0.3, shapes[0].block_rows = 3;
+  shapes[1].B = 2, shapes[1].T = 150, shapes[1].D = 16, shapes[1].R = 12, shapes[1].block_rows = 16,
+  shapes[1].layer_norm = true;
+  shapes[2].B = 2, shapes[2].T = 140, shapes[2].cross = true, shapes[2].S = 200, shapes[2].mixing = Mixing::block,
+  shapes[2].H = 3, shapes[2].R = 9, shapes[2].block_rows = 32;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    auto p = make_problem<T>(shapes[n], 43 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const Result<T> one = run(p);
+    for (int threads : {2, 3}) {
+      p.s.threads = threads;
+      const Result<T> many = run(p);
+      EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads";
+      EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads";
+    }
+    expect_matches_reference(p);
+  }
+}
+
+// One Workspace through calls of growing, shrinking and differently shaped
+// problems must give what a fresh one gives, bit for bit; and a repeated
+// call of the same shape must not grow it.
+TYPED_TEST(CollabHeadTest, WorkspaceReusedAcrossShapes) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(5);
+  shapes[0].B = 3, shapes[0].T = 12, shapes[0].cross = true, shapes[0].S = 9, shapes[0].Dkv = 6,
+  shapes[0].pad_rate = 0.3;
+  shapes[1].B = 1, shapes[1].T = 2, shapes[1].H = 1, shapes[1].R = 3, shapes[1].Dv = 2;
+  shapes[2].T = 7, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].block_rows = 2, shapes[2].pad_rate = 0.3;
+  shapes[3].B = 3, shapes[3].T = 20, shapes[3].D = 12, shapes[3].H = 3, shapes[3].R = 15, shapes[3].out_proj = false;
+  shapes[4].B = 1, shapes[4].T = 1, shapes[4].cross = true, shapes[4].S = 4, shapes[4].Dkv = 2,
+  shapes[4].content_bias = false;
+  headmix::Workspace<T> ws;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<T>(shapes[n], 50 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const Result<T> reused = run(p, ws);
+    const Result<T> fresh = run(p);
+    EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
+    EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
+    EXPECT_TRUE(all_close("output", reused.out, p.reference().output, default_tolerance<T>()));
+  }
+  const auto p = make_problem<T>(shapes[3], 60);
+  headmix::Workspace<T> sized;
+  run(p, sized);
+  const std::size_t bytes = sized.bytes();
+  run(p, sized);
+  EXPECT_EQ(sized.bytes(), bytes);
+}
+
+// probs is resized to [B, H, T, S] and every entry written, even when the
+// tensor arrives with another shape and stale contents.
+TYPED_TEST(CollabHeadTest, ProbsOutputResizedAndFullyWritten) {
+  using T = TypeParam;
+  Shape s;
+  s.cross = true, s.T = 6, s.S = 9, s.H = 3, s.R = 7, s.causal = true, s.offset = 1, s.pad_rate = 0.3;
+  const auto p = make_problem<T>(s, 61);
+  const headmix_ref::RefMhaResult want = p.reference();
+  for (const std::vector<Index>& stale_shape : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
+    Tensor<T> probs(stale_shape);
+    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
+    Tensor<T> out({s.B, s.T, s.out});
+    headmix::Workspace<T> ws;
+    p.layer().forward(p.input(), out.batch(), ws, &probs);
+    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.H, s.T, s.S}));
+    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
+  }
+}
+
+TYPED_TEST(CollabHeadTest, AllocatingForwardMatchesBufferForward) {
+  using T = TypeParam;
+  Shape s;
+  s.cross = true, s.S = 7, s.out = 5, s.pad_rate = 0.2;
+  const auto p = make_problem<T>(s, 62);
+  const Result<T> expected = run(p);
+  headmix::Workspace<T> ws;
+  Tensor<T> probs;
+  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
+  EXPECT_EQ(out.shape(), (std::vector<Index>{s.B, s.T, s.out}));
+  EXPECT_TRUE(bit_identical("output", out, expected.out));
+  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
+  const Tensor<T> out_without_probs = p.layer().forward(p.input(), ws);
+  EXPECT_TRUE(bit_identical("output without probs", out_without_probs, expected.out));
+  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
+}
+
+// forward(Matrix) is self-attention over one [T, D] sequence.
+TYPED_TEST(CollabHeadTest, SingleSequenceForward) {
+  using T = TypeParam;
+  Shape s;
+  s.B = 1, s.T = 7, s.out = 6, s.causal = true;
+  const auto p = make_problem<T>(s, 63);
+  const Matrix<T> y = p.layer().forward(p.xq);
+  ASSERT_EQ(y.rows(), s.T);
+  ASSERT_EQ(y.cols(), s.out);
+  EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
+                        default_tolerance<T>()));
+  const Result<T> batched = run(p);
+  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], batched.out[i]) << i;
+}
+
+// options() may change masking, scale, block size and threads between calls.
+TYPED_TEST(CollabHeadTest, OptionsChangedBetweenCalls) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 9, s.pad_rate = 0.2;
+  auto p = make_problem<T>(s, 64);
+  headmix::CollabHead<T> layer = p.layer();
+  headmix::Workspace<T> ws;
+  for (int step = 0; step < 3; ++step) {
+    p.s.causal = step > 0, p.s.offset = step == 2 ? -2 : 0, p.s.block_rows = 2 + step, p.s.threads = 1 + step;
+    p.s.scale = step == 1 ? 0.3 : 0;
+    layer.options() = p.options();
+    Tensor<T> out({s.B, s.T, s.out});
+    layer.forward(p.input(), out.batch(), ws);
+    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
+  }
+}
+
+// flops() must equal the multiply-adds the naive algorithm performs:
+// projections (shared query/key, content bias, values, o), the mixed query
+// rows, and (span + Dv) per causally visible pair per head.
+TYPED_TEST(CollabHeadTest, FlopsEqualReferenceCount) {
+  std::vector<Shape> shapes(9);
+  shapes[0].D = 16, shapes[0].R = 12, shapes[0].Dv = 8, shapes[0].out = 16, shapes[0].T = 7;
+  shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].R = 5, shapes[1].Dv = 5,
+  shapes[1].causal = true, shapes[1].out_proj = false;
+  shapes[2].T = 8, shapes[2].causal = true, shapes[2].offset = -3, shapes[2].pad_rate = 0.5;
+  shapes[3].cross = true, shapes[3].T = 3, shapes[3].S = 10, shapes[3].causal = true, shapes[3].offset = 7;
+  shapes[4].T = 6, shapes[4].causal = true, shapes[4].offset = -20;  // nothing visible
+  shapes[5].B = 3, shapes[5].T = 1, shapes[5].H = 3, shapes[5].out = 2, shapes[5].content_bias = false;
+  shapes[6].H = 4, shapes[6].R = 16, shapes[6].T = 9, shapes[6].mixing = Mixing::block;
+  shapes[7].H = 3, shapes[7].R = 11, shapes[7].T = 6, shapes[7].mixing = Mixing::banded, shapes[7].layer_norm = true;
+  shapes[8].H = 2, shapes[8].T = 4, shapes[8].mixing = Mixing::zero_row, shapes[8].cross = true, shapes[8].S = 3;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const auto p = make_problem<TypeParam>(shapes[n], 70 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const headmix_ref::RefMhaResult want = p.reference();
+    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.S);
+    EXPECT_EQ(got.projection_macs, want.projection_macs);
+    EXPECT_EQ(got.attention_macs, want.attention_macs);
+  }
+}
+
+// With block mixing at R = H·Dk the score stage costs what MHA's does: the
+// attention work differs from Mha::flops only by the T·R mixed-query
+// multiplies, and the projections by the S·D·H content bias.
+TYPED_TEST(CollabHeadTest, BlockMixingCostsWhatMhaCosts) {
+  using T = TypeParam;
+  Shape s;
+  s.mixing = Mixing::block, s.H = 4, s.R = 16, s.D = 16, s.Dv = 4, s.out = 16, s.T = 10;
+  const auto p = make_problem<T>(s, 80);
+  headmix::MhaWeights<T> mw;
+  mw.q.weight = p.w.q, mw.k.weight = p.w.k, mw.v = p.w.v, mw.o = p.w.o;
+  headmix::MhaOptions mo;
+  mo.num_heads = s.H;
+  for (bool causal : {false, true}) {
+    mo.causal = causal;
+    auto po = p.options();
+    po.causal = causal;
+    const auto collab = headmix::CollabHead<T>(p.w, po).flops(3, s.T, s.T);
+    const auto plain = headmix::Mha<T>(mw, mo).flops(3, s.T, s.T);
+    EXPECT_EQ(collab.attention_macs - plain.attention_macs, 3 * s.T * s.R);
+    EXPECT_EQ(collab.projection_macs - plain.projection_macs, 3 * s.T * s.D * s.H);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// BadInput: every mismatch throws shape_error whose message names the
+// variant, the argument and both shapes.
+
+template <class Fn>
+std::string shape_error_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const headmix::shape_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a shape_error: ") + e.what() + ">";
+  }
+  return "<no exception>";
+}
+
+::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
+  for (const auto& part : parts)
+    if (message.find(part) == std::string::npos)
+      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
+  return ::testing::AssertionSuccess() << message;
+}
+
+#define EXPECT_SHAPE_ERROR(call, ...)                                                     \
+  do {                                                                                    \
+    EXPECT_THROW(call, headmix::shape_error);                                             \
+    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[collab]", __VA_ARGS__})); \
+  } while (0)
+
+// A valid cross-attention setup (D != Dkv, R not a multiple of H, Dv, out != D,
+// content bias, o); each test breaks exactly one thing.
+class BadInput : public ::testing::Test {
+ protected:
+  static constexpr int B = 2, T = 5, S = 7, D = 16, Dkv = 12, H = 2, R = 6, Dv = 3, Out = 10;
+
+  BadInput() {
+    Rng rng(99);
+    w.q = random_matrix<double>(rng, R, D, 0.25);
+    w.k = random_matrix<double>(rng, R, Dkv, 0.25);
+    w.mixing = random_matrix<double>(rng, H, R, 1.0);
+    w.content_bias = random_matrix<double>(rng, H, Dkv, 0.25);
+    w.v = random_linear<double>(rng, H * Dv, Dkv, true);
+    w.o = random_linear<double>(rng, Out, H * Dv, true);
+    opt.num_heads = H;
+    xq = random_matrix<double>(rng, B * T, D, 1.0);
+    xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
+    out.resize(B * T, Out);
+  }
+
+  headmix::AttentionInput<double> input() const {
+    return {headmix::ConstBatchView<double>(xq.data(), B, T, D), headmix::ConstBatchView<double>(xk.data(), B, S, Dkv),
+            headmix::KeyPadding{padding.data(), B, S}};
+  }
+  headmix::BatchView<double> out_view() { return headmix::BatchView<double>(out.data(), B, T, Out); }
+  void build() const { headmix::CollabHead<double> layer(w, opt); }
+  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
+    headmix::CollabHead<double> layer(w, opt);
+    headmix::Workspace<double> ws;
+    layer.forward(in, dst, ws);
+  }
+  // A LayerNorm needs out_dim == D: make o [D, H·Dv] first.
+  void with_layer_norm() {
+    Rng rng(7);
+    w.o = random_linear<double>(rng, D, H * Dv, true);
+    w.layer_norm.weight = headmix::Vector<double>::Ones(D);
+    w.layer_norm.bias = headmix::Vector<double>::Zero(D);
+    out.resize(B * T, D);
+  }
+
+  headmix::CollabHeadWeights<double> w;
+  headmix::CollabHeadOptions opt;
+  Matrix<double> xq, xk, out;
+  std::vector<std::uint8_t> padding = std::vector<std::uint8_t>(B * S, 0);
+};
+
+TEST_F(BadInput, ValidSetupRuns) {  // so that each failure below is the one broken thing
+  EXPECT_NO_THROW(forward(input(), out_view()));
+  with_layer_norm();
+  EXPECT_NO_THROW(forward(input(), headmix::BatchView<double>(out.data(), B, T, D)));
+}
+
+TEST_F(BadInput, ZeroHeads) {
+  opt.num_heads = 0;
+  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, MixingRowsNotHeads) {
+  opt.num_heads = 3;
+  EXPECT_SHAPE_ERROR(build(), "mixing", "expected [3, 6]", "got [2, 6]");
+}
+
+TEST_F(BadInput, MixingColumnsNotSharedDim) {
+  w.mixing.conservativeResize(H, R - 1);
+  EXPECT_SHAPE_ERROR(build(), "mixing", "expected [2, 6]", "got [2, 5]");
+}
+
+TEST_F(BadInput, NoQueryWeight) {
+  w.q.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "q.weight", "expected [R >= 1, D >= 1]", "got [0, 0]");
+}
+
+TEST_F(BadInput, KeyRowsNotSharedDim) {
+  w.k.conservativeResize(R - 1, Dkv);
+  EXPECT_SHAPE_ERROR(build(), "k.weight", "expected [6, 12]", "got [5, 12]");
+}
+
+TEST_F(BadInput, NoKeyWeight) {
+  w.k.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "k.weight", "expected [6, Dkv >= 1]", "got [0, 0]");
+}
+
+TEST_F(BadInput, ContentBiasShape) {
+  w.content_bias.conservativeResize(H, Dkv - 1);
+  EXPECT_SHAPE_ERROR(build(), "content_bias.weight", "expected [2, 12]", "got [2, 11]");
+  w.content_bias.resize(H + 1, Dkv);
+  EXPECT_SHAPE_ERROR(build(), "content_bias.weight", "expected [2, 12]", "got [3, 12]");
+}
+
+TEST_F(BadInput, ValueRowsNotDivisibleByHeads) {
+  w.v.weight.conservativeResize(7, Dkv);
+  w.v.bias.conservativeResize(7);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [", "num_heads = 2", "got [7, 12]");
+}
+
+TEST_F(BadInput, ValueColumnsNotKeyWidth) {
+  w.v.weight.conservativeResize(H * Dv, Dkv - 1);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [6, 12]", "got [6, 11]");
+}
+
+TEST_F(BadInput, ValueBiasLength) {
+  w.v.bias.conservativeResize(5);
+  EXPECT_SHAPE_ERROR(build(), "v.bias", "expected [6]", "got [5]");
+}
+
+TEST_F(BadInput, OutputWeightColumnsNotHeadsTimesValueDim) {
+  w.o.weight.conservativeResize(Out, H * Dv - 1);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 6]", "got [10, 5]");
+}
+
+TEST_F(BadInput, OutputBiasLength) {
+  w.o.bias.conservativeResize(Out - 1);
+  EXPECT_SHAPE_ERROR(build(), "o.bias", "expected [10]", "got [9]");
+}
+
+TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
+  w.o.weight.resize(0, 0);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [out_dim, 6]", "got [0, 0]");
+}
+
+TEST_F(BadInput, LayerNormNeedsOutDimEqualToEmbedDim) {
+  with_layer_norm();
+  Rng rng(8);
+  w.o = random_linear<double>(rng, Out, H * Dv, true);
+  EXPECT_SHAPE_ERROR(build(), "out_dim", "expected 16", "got 10");
+}
+
+TEST_F(BadInput, LayerNormWeightLength) {
+  with_layer_norm();
+  w.layer_norm.weight.conservativeResize(D - 1);
+  EXPECT_SHAPE_ERROR(build(), "layer_norm.weight", "expected [16]", "got [15]");
+}
+
+TEST_F(BadInput, LayerNormBiasLengthOrMissing) {
+  with_layer_norm();
+  w.layer_norm.bias.conservativeResize(D + 1);
+  EXPECT_SHAPE_ERROR(build(), "layer_norm.bias", "expected [16]", "got [17]");
+  w.layer_norm.bias.resize(0);
+  EXPECT_SHAPE_ERROR(build(), "layer_norm.bias", "expected [16]", "got [0]");
+}
+
+TEST_F(BadInput, LayerNormEps) {
+  with_layer_norm();
+  w.layer_norm.eps = -1;
+  EXPECT_SHAPE_ERROR(build(), "layer_norm.eps", "expected a finite number >= 0", "got -1");
+  w.layer_norm.eps = std::numeric_limits<double>::infinity();
+  EXPECT_SHAPE_ERROR(build(), "layer_norm.eps", "expected a finite number >= 0", "got inf");
+}
+
+TEST_F(BadInput, QueryWidth) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(xq.data(), B, T, D - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
+}
+
+TEST_F(BadInput, KeyWidth) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(xk.data(), B, S, Dkv - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [2, 7, 11]");
+}
+
+TEST_F(BadInput, KeyBatchNotQueryBatch) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(xk.data(), 1, S, Dkv);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [1, 7, 12]");
+}
+
+TEST_F(BadInput, KeyPaddingMaskShape) {
+  auto in = input();
+  in.key_padding.keys = S - 1;
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [2, 6]");
+  in.key_padding = headmix::KeyPadding{padding.data(), 1, S};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [1, 7]");
+}
+
+TEST_F(BadInput, OutputBufferShape) {
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
+                     "expected [2, 5, 10]", "got [2, 5, 9]");
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T - 1, Out)), "output",
+                     "expected [2, 5, 10]", "got [2, 4, 10]");
+  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>()), "output", "expected [2, 5, 10]", "no buffer");
+}
+
+TEST_F(BadInput, ZeroLengthQuery) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(xq.data(), B, 0, D);
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "expected [",
+                     "T >= 1", "got [2, 0, 16]");
+}
+
+TEST_F(BadInput, ZeroBatch) {
+  auto in = input();
+  in.query = headmix::ConstBatchView<double>(xq.data(), 0, T, D);
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), 0, T, Out)), "input.query", "expected [",
+                     "B >= 1", "got [0, 5, 16]");
+}
+
+TEST_F(BadInput, ZeroLengthKey) {
+  auto in = input();
+  in.key = headmix::ConstBatchView<double>(xk.data(), B, 0, Dkv);
+  in.key_padding = {};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, S >= 1, 12]", "got [2, 0, 12]");
+}
+
+TEST_F(BadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
+  auto in = input();
+  in.key = {};
+  in.key_padding = {};
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
+}
+
+TEST_F(BadInput, ZeroBlockRows) {
+  opt.block_rows = 0;
+  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, ZeroThreads) {
+  opt.threads = 0;
+  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, NonFiniteScale) {
+  opt.scale = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number", "got nan");
+}
+
+// options() is mutable, so forward() checks the options again: a broken
+// value throws instead of being clamped or corrupting memory.
+TEST_F(BadInput, OptionsBrokenAfterConstruction) {
+  headmix::CollabHead<double> layer(w, opt);
+  headmix::Workspace<double> ws;
+  layer.options().block_rows = 0;
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "block_rows", "expected >= 1", "got 0");
+  layer.options().block_rows = 64;
+  layer.options().threads = 0;
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "threads", "expected >= 1", "got 0");
+  layer.options().threads = 1;
+  layer.options().num_heads = 3;
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "mixing", "expected [3, 6]", "got [2, 6]");
+  layer.options().num_heads = 0;
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "num_heads", "expected >= 1", "got 0");
+  layer.options().num_heads = H;
+  layer.options().scale = std::numeric_limits<double>::infinity();
+  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "scale", "expected a finite number", "got inf");
+  layer.options().scale.reset();
+  EXPECT_NO_THROW(layer.forward(input(), out_view(), ws));
+}
+
+}  // namespace
