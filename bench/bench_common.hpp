@@ -25,6 +25,22 @@ Linear<T> random_linear(Index out, Index in, unsigned seed) {
   return {random_matrix<T>(out, in, 1.0 / std::sqrt(double(in)), seed), Vector<T>::Zero(out)};
 }
 
+/// A variant's flops() result as a FlopCount (DCMHA's breaks its count down
+/// by kind and offers total()).
+inline FlopCount as_flop_count(const FlopCount& f) { return f; }
+template <class F>
+auto as_flop_count(const F& f) -> decltype(f.total()) {
+  return f.total();
+}
+
+template <class T>
+Tensor<T> random_tensor(std::vector<Index> shape, double scale, unsigned seed) {
+  Tensor<T> t(std::move(shape));
+  const Matrix<T> m = random_matrix<T>(1, t.size(), scale, seed);
+  std::copy_n(m.data(), t.size(), t.data());
+  return t;
+}
+
 /// Counters every layer benchmark reports: analytic FLOPs per call, the
 /// rate they give, and the scratch memory the layer kept.
 inline void report(benchmark::State& state, const FlopCount& flops, std::size_t scratch_bytes) {
@@ -61,7 +77,7 @@ void time_self_attention(benchmark::State& state, const Layer& layer, Index T, I
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  report(state, layer.flops(1, T, T), ws.bytes());
+  report(state, as_flop_count(layer.flops(1, T, T)), ws.bytes());
 }
 
 }  // namespace headmix::bench

@@ -2,9 +2,9 @@
 // registered benchmark, and closes with a table of each variant's time
 // relative to MHA at the same shape, measured in this same run.
 //
-// Matching rule: a run named `BM_<Variant>/<args>` is compared with
-// `BM_MHA/<args>` when the argument strings are identical (the shared-shape
-// benchmarks all use the names D, H, T, causal, threads).
+// Matching rule: a run named `<family>/<args>` is compared with
+// `Suite_MHA/<args>` when the argument strings are identical (the
+// shared-shape entries all use the names D, H, T, causal, threads).
 #include <Eigen/Core>
 #include <benchmark/benchmark.h>
 
@@ -16,6 +16,8 @@
 #include <vector>
 
 namespace {
+
+constexpr const char* kBaseline = "Suite_MHA";
 
 class RelativeToMhaReporter : public benchmark::ConsoleReporter {
  public:
@@ -36,10 +38,10 @@ class RelativeToMhaReporter : public benchmark::ConsoleReporter {
   void Finalize() override {
     std::map<std::string, double> mha;
     for (const auto& r : results_)
-      if (r.family == "BM_MHA") mha[r.args] = r.time;
+      if (r.family == kBaseline) mha[r.args] = r.time;
     bool header = false;
     for (const auto& r : results_) {
-      if (r.family == "BM_MHA") continue;
+      if (r.family == kBaseline) continue;
       auto it = mha.find(r.args);
       if (it == mha.end()) continue;
       if (!header) {

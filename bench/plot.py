@@ -6,7 +6,7 @@ suite's Google Benchmark JSON.
     /usr/bin/python3 bench/plot.py results.json latency.png [--D 768] [--causal 0] [--threads 1]
 
 Needs Debian's python3-matplotlib. Reads the shared-shape entries
-(BM_<Variant>/D:../H:../T:../causal:../threads:..) and ignores the rest.
+(Suite_<Variant>/D:../H:../T:../causal:../threads:..) and ignores the rest.
 """
 import argparse
 import json
@@ -31,7 +31,7 @@ def main():
 
     with open(args.results) as f:
         data = json.load(f)
-    pattern = re.compile(r"^BM_(\w+)/D:(\d+)/H:(\d+)/T:(\d+)/causal:(\d)/threads:(\d+)")
+    pattern = re.compile(r"^Suite_(\w+)/D:(\d+)/H:(\d+)/T:(\d+)/causal:(\d)/threads:(\d+)")
     series = defaultdict(list)
     for b in data["benchmarks"]:
         if b.get("run_type") != "iteration":

@@ -8,7 +8,7 @@
 
 namespace {
 
-void BM_TorchMHA(benchmark::State& state) {
+void Suite_TorchMHA(benchmark::State& state) {
   const int64_t D = state.range(0), H = state.range(1), T = state.range(2);
   const bool causal = state.range(3) != 0;
   at::set_num_threads(static_cast<int>(state.range(4)));
@@ -30,4 +30,4 @@ void BM_TorchMHA(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_TorchMHA)->Apply(headmix::bench::shared_shapes)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(Suite_TorchMHA)->Apply(headmix::bench::shared_shapes)->Unit(benchmark::kMillisecond)->UseRealTime();
