@@ -17,6 +17,7 @@
 #include "headmix/decomp/cp_als.hpp"
 #include "headmix/decomp/mha_to_collab.hpp"
 #include "headmix/variants/collab_head.hpp"
+#include "headmix/variants/dcmha.hpp"
 #include "headmix/variants/lsh.hpp"
 #include "headmix/variants/mha.hpp"
 #include "headmix/variants/talking_heads.hpp"

@@ -9,6 +9,7 @@
 // without --allow-skip, nothing was skipped.
 #include "case_mha.hpp"
 #include "case_talking_heads.hpp"
+#include "case_dcmha.hpp"
 #include "case_lsh.hpp"
 #include "case_collab.hpp"
 
@@ -35,6 +36,7 @@ const std::map<std::string, std::pair<Runner, Runner>>& registry() {
   static const std::map<std::string, std::pair<Runner, Runner>> r = {
       {"mha", {run_mha_case<double>, run_mha_case<float>}},
       {"talking_heads", {run_talking_heads_case<double>, run_talking_heads_case<float>}},
+      {"dcmha", {run_dcmha_case<double>, run_dcmha_case<float>}},
       {"lsh", {run_lsh_case<double>, run_lsh_case<float>}},
       {"collab", {run_collab_case<double>, run_collab_case<float>}},
   };

@@ -1,0 +1,58 @@
+// Conformance adapter for `dcmha` cases (../shared/conformance/dcmha.md).
+#pragma once
+
+#include "case_common.hpp"
+
+#include <headmix/variants/dcmha.hpp>
+
+#include <stdexcept>
+
+namespace headmix::conformance {
+
+/// The layer a dcmha case describes (block_rows 4, so that small cases run
+/// over several query blocks).
+template <class T>
+Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
+  const auto config = case_config(f);
+  DcmhaWeights<T> w;
+  w.q = read_linear<T>(f, "q");
+  w.k = read_linear<T>(f, "k");
+  w.v = read_linear<T>(f, "v");
+  w.o = read_linear<T>(f, "o");
+  w.dw1 = f.get<T>("dc.dw1");
+  w.qkw = f.get<T>("dc.qkw");
+  w.dd = f.get<T>("dc.dd");
+  if (f.contains("dc.pre_w")) w.pre_w = f.get<T>("dc.pre_w");
+  if (f.contains("dc.post_w")) w.post_w = f.get<T>("dc.post_w");
+
+  DcmhaOptions opt;
+  opt.num_heads = config.at("num_heads").get<Index>();
+  opt.groups = config.value("groups", Index(1));
+  opt.rank = config.value("rank", Index(2));
+  opt.use_pre = config.value("use_pre", true);
+  opt.use_post = config.value("use_post", true);
+  opt.query_wise = config.value("query_wise", true);
+  opt.key_wise = config.value("key_wise", true);
+  opt.static_w = config.value("static_w", false);
+  opt.causal = config.value("causal", false);
+  if (config.contains("window") && !config["window"].is_null()) opt.window = config["window"].get<Index>();
+  opt.dw_norm_eps = config.value("dw_norm_eps", 1e-6);
+  const std::string gelu = config.value("dw_gelu", std::string("erf"));
+  if (gelu != "erf" && gelu != "tanh") throw std::runtime_error("dcmha case: unknown dw_gelu '" + gelu + "'");
+  opt.gelu = gelu == "erf" ? DcmhaGelu::erf : DcmhaGelu::tanh;
+  if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
+  opt.block_rows = 4;
+  return Dcmha<T>(std::move(w), opt);
+}
+
+template <class T>
+CaseOutputs run_dcmha_case(const io::TensorFile& f) {
+  const Dcmha<T> layer = load_dcmha_case<T>(f);
+  CaseInputs<T> inputs(f);
+  Workspace<T> ws;
+  Tensor<T> probs;
+  Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
+  return {to_double(out), to_double(probs)};
+}
+
+}  // namespace headmix::conformance

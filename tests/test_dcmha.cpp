@@ -1,0 +1,1234 @@
+// Dcmha<T> against the naive double reference (tests/reference/dcmha_reference.hpp),
+// incremental decoding against the full forward and the conformance cases,
+// and the layer's argument checks (the DcmhaBadInput suite).
+//
+// Expectations come from the reference or the conformance files, never from
+// headmix itself (except where a test compares two headmix paths that must
+// agree: threads, workspace reuse, decoding vs forward). Weights and inputs
+// are drawn in T and the reference gets exactly those values widened to
+// double, so a comparison measures only the layer's arithmetic error.
+//
+// Tolerance, element-wise: |got - want| <= atol + rtol * |want| (MHA's bounds)
+//   double: rtol 1e-10, atol 1e-12. Every value is a chain of dot products
+//           of <= ~60 terms of O(1) values (projections, the dynamic-weight
+//           MLP, two compositions of <= 8 heads): a few hundred roundings of
+//           1.1e-16 at most. Composed weights can cancel to near 0, hence an
+//           atol as well as the relative bound.
+//   float:  rtol 2e-4, atol 2e-5. The same chain with unit roundoff 6e-8;
+//           the composed scores pass their error through exp. All tests
+//           also pass with bounds 4x (float) and 10x (double) tighter, so
+//           these leave a margin without hiding a real error.
+// Decoding vs forward compares two computations with different summation
+// orders: twice the tolerance above. Conformance cases use their own.
+
+// Allocation check for decoding: Eigen reports every heap allocation it
+// makes while set_is_malloc_allowed(false) through eigen_assert, which is
+// routed here (NDEBUG would otherwise compile it out). Outside such a
+// window a failed Eigen assertion aborts as usual.
+#include <cstdio>
+#include <cstdlib>
+namespace dcmha_test {
+inline bool& counting_mallocs() {
+  static bool on = false;
+  return on;
+}
+inline int& forbidden_mallocs() {
+  static int n = 0;
+  return n;
+}
+inline void eigen_assert_failed(const char* what, const char* file, int line) {
+  if (counting_mallocs()) {
+    ++forbidden_mallocs();
+    return;
+  }
+  std::fprintf(stderr, "Eigen assertion failed: %s at %s:%d\n", what, file, line);
+  std::abort();
+}
+}  // namespace dcmha_test
+// Plain operator new is counted in the same windows (std::vector, strings).
+// (GCC cannot see that these replace the global pair, hence the pragma.)
+#include <new>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t n) {
+  if (dcmha_test::counting_mallocs()) ++dcmha_test::forbidden_mallocs();
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return ::operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x) \
+  do {                  \
+    if (!(x)) ::dcmha_test::eigen_assert_failed(#x, __FILE__, __LINE__); \
+  } while (false)
+
+#include "headmix/headmix.hpp"
+#include "reference/dcmha_reference.hpp"
+
+#include "conformance/case_dcmha.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using headmix::Dcmha;
+using headmix::SequenceCache;
+using headmix::DcmhaOptions;
+using headmix::DcmhaWeights;
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+using Rng = std::mt19937;
+
+// ---------------------------------------------------------------------------
+// Random problems
+
+double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
+
+template <class T>
+Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(uniform(rng, -bound, bound));
+  return m;
+}
+
+template <class T>
+Tensor<T> random_tensor(Rng& rng, std::vector<Index> shape, double bound) {
+  Tensor<T> t(std::move(shape));
+  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(uniform(rng, -bound, bound));
+  return t;
+}
+
+template <class T>
+headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
+  headmix::Linear<T> lin;
+  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
+  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
+  return lin;
+}
+
+/// One test problem.
+struct Config {
+  int B = 2, T = 7, D = 12, H = 4, dk = 3, dv = 3, out = 10;  // out 0: no output projection
+  int G = 1, R = 2, K = 6;
+  bool bias = false;
+  bool use_pre = true, use_post = true, query_wise = true, key_wise = true, static_w = false;
+  bool causal = true;
+  int window = 0;
+  bool gelu_tanh = false;
+  double pad_rate = 0;       // chance that each key is padded
+  bool pad_all_of_last = false;  // every key of the last batch item padded
+  double weight_gain = 1;    // scales q and k weights (bigger scores)
+  Index block_rows = 0;
+  int threads = 1;
+
+  int M() const { return H / G; }
+  int out_dim() const { return out == 0 ? H * dv : out; }
+};
+
+std::string describe(const Config& c) {
+  std::ostringstream o;
+  o << "B=" << c.B << " T=" << c.T << " D=" << c.D << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
+    << " out=" << c.out << " G=" << c.G << " R=" << c.R << " K=" << c.K << " bias=" << c.bias << " pre=" << c.use_pre
+    << " post=" << c.use_post << " qw=" << c.query_wise << " kw=" << c.key_wise << " static=" << c.static_w
+    << " causal=" << c.causal << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh << " pad=" << c.pad_rate
+    << " block_rows=" << c.block_rows << " threads=" << c.threads;
+  return o.str();
+}
+
+template <class T>
+std::vector<double> widen(const T* data, Index n) {
+  return std::vector<double>(data, data + n);
+}
+template <class T>
+std::vector<double> widen(const Matrix<T>& m) {
+  return widen(m.data(), m.size());
+}
+template <class T>
+std::vector<double> widen(const Tensor<T>& t) {
+  return widen(t.data(), t.size());
+}
+template <class T>
+std::vector<double> widen(const headmix::Vector<T>& v) {
+  return widen(v.data(), v.size());
+}
+
+template <class T>
+struct Problem {
+  Config c;
+  DcmhaWeights<T> w;
+  Matrix<T> x;                       // [B*T, D]
+  std::vector<std::uint8_t> padding;  // [B, T] or empty
+
+  DcmhaOptions options() const {
+    DcmhaOptions o;
+    o.num_heads = c.H;
+    o.groups = c.G;
+    o.rank = c.R;
+    o.use_pre = c.use_pre;
+    o.use_post = c.use_post;
+    o.query_wise = c.query_wise;
+    o.key_wise = c.key_wise;
+    o.static_w = c.static_w;
+    o.causal = c.causal;
+    o.window = c.window;
+    o.gelu = c.gelu_tanh ? headmix::DcmhaGelu::tanh : headmix::DcmhaGelu::erf;
+    o.block_rows = c.block_rows;
+    o.threads = c.threads;
+    return o;
+  }
+  Dcmha<T> layer() const { return Dcmha<T>(w, options()); }
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(x.data(), c.B, c.T, c.D);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), c.B, c.T};
+    return in;
+  }
+  headmix_ref::RefDcmhaWeights ref_weights() const {
+    headmix_ref::RefDcmhaWeights r;
+    r.D = c.D, r.H = c.H, r.dk = c.dk, r.dv = c.dv, r.out = c.out, r.G = c.G, r.R = c.R, r.K = c.K;
+    r.wq = widen(w.q.weight), r.bq = widen(w.q.bias);
+    r.wk = widen(w.k.weight), r.bk = widen(w.k.bias);
+    r.wv = widen(w.v.weight), r.bv = widen(w.v.bias);
+    r.wo = widen(w.o.weight), r.bo = widen(w.o.bias);
+    r.dw1 = widen(w.dw1), r.qkw = widen(w.qkw), r.dd = widen(w.dd);
+    r.pre_w = widen(w.pre_w), r.post_w = widen(w.post_w);
+    return r;
+  }
+  headmix_ref::RefDcmhaOptions ref_options() const {
+    headmix_ref::RefDcmhaOptions o;
+    o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
+    o.static_w = c.static_w, o.causal = c.causal, o.window = c.window, o.gelu_tanh = c.gelu_tanh;
+    return o;
+  }
+  headmix_ref::RefDcmhaResult reference() const {
+    return headmix_ref::dcmha_reference(ref_weights(), ref_options(), c.B, c.T, widen(x), padding);
+  }
+};
+
+// Weights scaled so that every branch changes the output by a lot: F and
+// the gates are O(1), so W1ᵀW2 and dd are comparable to the identity.
+template <class T>
+Problem<T> make_problem(const Config& c, unsigned seed) {
+  Rng rng(seed);
+  Problem<T> p;
+  p.c = c;
+  p.w.q = random_linear<T>(rng, c.H * c.dk, c.D, c.bias);
+  p.w.k = random_linear<T>(rng, c.H * c.dk, c.D, c.bias);
+  p.w.v = random_linear<T>(rng, c.H * c.dv, c.D, c.bias);
+  if (c.weight_gain != 1) {
+    p.w.q.weight *= static_cast<T>(c.weight_gain);
+    p.w.k.weight *= static_cast<T>(c.weight_gain);
+  }
+  if (c.out != 0) p.w.o = random_linear<T>(rng, c.out, c.H * c.dv, c.bias);
+  const int M = c.M();
+  p.w.dw1 = random_tensor<T>(rng, {c.D, c.G, 4, c.K}, 2.0 / std::sqrt(static_cast<double>(c.D)));
+  p.w.qkw = random_tensor<T>(rng, {c.G, 4, c.K, 2 * c.R, M}, 1.0 / std::sqrt(static_cast<double>(c.K)));
+  p.w.dd = random_tensor<T>(rng, {c.D, c.G, 4 * M}, 2.0 / std::sqrt(static_cast<double>(c.D)));
+  p.x = random_matrix<T>(rng, c.B * c.T, c.D, 1.0);
+  if (c.static_w) {  // drawn after x, so that toggling it keeps every other value
+    p.w.pre_w = random_tensor<T>(rng, {c.G, M, M}, 0.5);
+    p.w.post_w = random_tensor<T>(rng, {c.G, M, M}, 0.5);
+  }
+  if (c.pad_rate > 0 || c.pad_all_of_last) {
+    p.padding.assign(static_cast<std::size_t>(c.B) * c.T, 0);
+    for (int b = 0; b < c.B; ++b)
+      for (int t = 0; t < c.T; ++t)
+        p.padding[static_cast<std::size_t>(b) * c.T + t] =
+            (c.pad_all_of_last && b == c.B - 1) || uniform(rng, 0, 1) < c.pad_rate ? 1 : 0;
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing
+
+template <class T>
+struct Result {
+  Tensor<T> out, probs;
+};
+
+template <class T>
+Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
+  Result<T> r;
+  r.out = Tensor<T>({p.c.B, p.c.T, p.c.out_dim()});
+  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
+  return r;
+}
+template <class T>
+Result<T> run(const Problem<T>& p) {
+  headmix::Workspace<T> ws;
+  return run(p, ws);
+}
+
+struct Tolerance {
+  double rtol, atol;
+  Tolerance times(double f) const { return {rtol * f, atol * f}; }
+};
+template <class T>
+Tolerance default_tolerance();
+template <>
+Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
+template <>
+Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
+
+template <class T>
+::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
+                                     Tolerance tol) {
+  if (n != want.size())
+    return ::testing::AssertionFailure() << what << ": " << n << " values, expected " << want.size();
+  std::size_t bad = 0, first = 0;
+  double worst = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double g = static_cast<double>(got[i]), err = std::abs(g - want[i]);
+    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
+    if (!(err <= allowed)) {
+      if (bad++ == 0) first = i;
+      worst = std::max(worst, err / allowed);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at " << first
+                                       << ": got " << static_cast<double>(got[first]) << ", want " << want[first]
+                                       << "; worst error/allowed " << worst;
+}
+template <class T>
+::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
+                                     Tolerance tol) {
+  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
+}
+
+template <class T>
+::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
+  for (Index i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i]) && !(a[i] != a[i] && b[i] != b[i]))
+      return ::testing::AssertionFailure() << what << ": differ at " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (double v : a) m = std::max(m, std::abs(v));
+  return m;
+}
+
+// Compare output and weights with the reference.
+template <class T>
+void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.c));
+  const auto want = p.reference();
+  const Result<T> got = run(p);
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.c.B, p.c.H, p.c.T, p.c.T}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+}
+
+template <class T>
+class DcmhaTest : public ::testing::Test {};
+using Scalars = ::testing::Types<double, float>;
+TYPED_TEST_SUITE(DcmhaTest, Scalars);
+
+// ---------------------------------------------------------------------------
+// Forward against the reference
+
+TYPED_TEST(DcmhaTest, AllBranchesCausal) {
+  Config c;
+  for (Index block : {Index(0), Index(1), Index(3), Index(64)}) {
+    c.block_rows = block;
+    expect_matches_reference(make_problem<TypeParam>(c, 1));
+  }
+}
+
+// Each branch alone, and each stage alone. The reference output must also
+// differ clearly from plain attention (every branch off), so that none of
+// these can pass by the branch doing nothing.
+TYPED_TEST(DcmhaTest, EachBranchAlone) {
+  Config plain;
+  plain.use_pre = plain.use_post = false;
+  plain.static_w = false;
+  const auto base = make_problem<TypeParam>(plain, 2);
+  const std::vector<double> plain_out = base.reference().output;
+  expect_matches_reference(base);  // no composition at all: MHA with DCMHA's weights
+
+  struct Branch {
+    const char* name;
+    bool pre, post, qw, kw, sw;
+  };
+  const Branch branches[] = {
+      {"static only", true, true, false, false, true},   {"query-wise only", true, true, true, false, false},
+      {"key-wise only", true, true, false, true, false},  {"pre only", true, false, true, true, false},
+      {"post only", false, true, true, true, false},      {"pre, query-wise", true, false, true, false, false},
+      {"post, key-wise", false, true, false, true, false}, {"all with static", true, true, true, true, true},
+  };
+  for (const Branch& br : branches) {
+    SCOPED_TRACE(br.name);
+    Config c = plain;
+    c.use_pre = br.pre, c.use_post = br.post, c.query_wise = br.qw, c.key_wise = br.kw, c.static_w = br.sw;
+    const auto p = make_problem<TypeParam>(c, 2);  // same seed: same q/k/v/o and inputs as `plain`
+    EXPECT_GT(max_abs_diff(p.reference().output, plain_out), 0.05 * max_abs(plain_out)) << "branch has no effect";
+    expect_matches_reference(p);
+  }
+}
+
+// With neither query- nor key-wise terms and no static term, each compose
+// is the identity: the layer is plain attention.
+TYPED_TEST(DcmhaTest, IdentityComposeIsPlainAttention) {
+  Config c;
+  c.query_wise = c.key_wise = false;
+  const auto p = make_problem<TypeParam>(c, 3);
+  expect_matches_reference(p);
+  Config off = c;
+  off.use_pre = off.use_post = false;
+  const auto q = make_problem<TypeParam>(off, 3);
+  EXPECT_TRUE(all_close("identity vs off", run(p).out, widen(run(q).out), default_tolerance<TypeParam>()));
+}
+
+// Rows long enough for the register-blocked path (whole cache lines of 16
+// floats / 8 doubles) plus a tail, for each branch mix and rank, with
+// multi-row tiles (static term by GEMM) and single-row tiles (static term
+// in the loop).
+TYPED_TEST(DcmhaTest, LongRowsEveryPath) {
+  struct Mix {
+    bool qw, kw, sw;
+  };
+  for (const Mix mix : {Mix{true, true, false}, Mix{true, true, true}, Mix{true, false, false}, Mix{false, true, true},
+                        Mix{false, false, true}}) {
+    for (int R : {1, 2, 3}) {
+      for (Index block : {Index(0), Index(1)}) {
+        Config c;
+        c.B = 1, c.T = 45, c.D = 8, c.H = 4, c.dk = c.dv = 2, c.out = 0, c.K = 4, c.R = R;
+        c.query_wise = mix.qw, c.key_wise = mix.kw, c.static_w = mix.sw, c.block_rows = block;
+        c.causal = R != 2;  // causal rows start at column 0 and end anywhere; non-causal ones cover everything
+        expect_matches_reference(make_problem<TypeParam>(c, 16 + static_cast<unsigned>(R)));
+      }
+    }
+  }
+}
+
+TYPED_TEST(DcmhaTest, Groups) {
+  for (int G : {2, 4}) {
+    for (bool sw : {false, true}) {
+      Config c;
+      c.H = 8, c.dk = 2, c.dv = 3, c.D = 16, c.G = G, c.K = 5, c.static_w = sw;
+      expect_matches_reference(make_problem<TypeParam>(c, 10 + G));
+    }
+  }
+  Config c;  // H = 6 in 3 groups of 2, with key padding
+  c.H = 6, c.G = 3, c.T = 9, c.pad_rate = 0.25;
+  expect_matches_reference(make_problem<TypeParam>(c, 14));
+  c.static_w = true, c.block_rows = 1;  // single-row tiles take the static term in the compose loop
+  expect_matches_reference(make_problem<TypeParam>(c, 14));
+}
+
+// Groups are independent: changing group 1's dynamic-weight MLP leaves the
+// heads of group 0 bit-for-bit unchanged (and still matches the reference).
+TYPED_TEST(DcmhaTest, GroupsDoNotMix) {
+  Config c;
+  c.H = 4, c.G = 2, c.out = 0;  // output = concatenated heads, so heads can be told apart
+  auto p = make_problem<TypeParam>(c, 15);
+  const Result<TypeParam> before = run(p);
+  const int M = c.M();
+  for (Index d = 0; d < c.D; ++d)
+    for (Index cc = 0; cc < 4; ++cc)
+      for (Index k = 0; k < c.K; ++k) p.w.dw1[((d * c.G + 1) * 4 + cc) * c.K + k] *= TypeParam(-2);
+  const Result<TypeParam> after = run(p);
+  double group0 = 0, group1 = 0;
+  for (Index b = 0; b < c.B; ++b)
+    for (Index t = 0; t < c.T; ++t)
+      for (Index e = 0; e < c.H * c.dv; ++e) {
+        const Index i = (b * c.T + t) * c.H * c.dv + e;
+        const double d = std::abs(static_cast<double>(before.out[i] - after.out[i]));
+        (e < M * c.dv ? group0 : group1) = std::max(e < M * c.dv ? group0 : group1, d);
+      }
+  EXPECT_EQ(group0, 0.0);
+  EXPECT_GT(group1, 1e-3);
+  expect_matches_reference(p);
+}
+
+TYPED_TEST(DcmhaTest, Window) {
+  for (int W : {1, 3, 20}) {
+    for (Index block : {Index(0), Index(2), Index(5)}) {
+      Config c;
+      c.T = 11, c.window = W, c.block_rows = block;
+      expect_matches_reference(make_problem<TypeParam>(c, 20 + W));
+    }
+  }
+  Config c;
+  c.T = 10, c.window = 4, c.pad_rate = 0.3, c.G = 2, c.static_w = true;
+  expect_matches_reference(make_problem<TypeParam>(c, 24));
+}
+
+// Window 1: every query sees only itself, so the softmax is 1 there and
+// the pre-compose cannot matter.
+TYPED_TEST(DcmhaTest, WindowOneIgnoresPreCompose) {
+  Config c;
+  c.window = 1;
+  const Result<TypeParam> with = run(make_problem<TypeParam>(c, 25));
+  c.use_pre = false;
+  const Result<TypeParam> without = run(make_problem<TypeParam>(c, 25));
+  EXPECT_TRUE(all_close("output", with.out, widen(without.out), default_tolerance<TypeParam>()));
+}
+
+TYPED_TEST(DcmhaTest, NonCausal) {
+  Config c;
+  c.causal = false, c.T = 9;
+  expect_matches_reference(make_problem<TypeParam>(c, 30));
+  c.block_rows = 4, c.static_w = true, c.pad_rate = 0.3;
+  expect_matches_reference(make_problem<TypeParam>(c, 31));
+}
+
+TYPED_TEST(DcmhaTest, Ranks) {
+  for (int R : {1, 2, 3}) {
+    Config c;
+    c.R = R;
+    expect_matches_reference(make_problem<TypeParam>(c, 40 + R));
+  }
+}
+
+TYPED_TEST(DcmhaTest, GeluTanh) {
+  Config c;
+  c.gelu_tanh = true;
+  const auto p = make_problem<TypeParam>(c, 45);
+  expect_matches_reference(p);
+  Config e = c;  // and it is not the erf form
+  e.gelu_tanh = false;
+  EXPECT_GT(max_abs_diff(p.reference().output, make_problem<TypeParam>(e, 45).reference().output), 1e-5);
+}
+
+// W1 rows far below the RMSNorm epsilon (the reference's own init does
+// this): eps then dominates the norm, and leaving it out changes the result.
+TYPED_TEST(DcmhaTest, TinyW1MakesEpsilonMatter) {
+  Config c;
+  auto p = make_problem<TypeParam>(c, 46);
+  // Only the W1 rows (j < R of the 2R axis) shrink, so that mean(F²) ~ 1e-8 << eps while W2 keeps the
+  // low-rank terms large.
+  const Index M = c.M(), R = c.R;
+  for (Index i = 0; i < p.w.qkw.size(); ++i)
+    if ((i / M) % (2 * R) < R) p.w.qkw[i] *= TypeParam(2e-4);
+  expect_matches_reference(p);
+  auto ref_options = p.ref_options();
+  ref_options.eps = 1e-12;
+  const auto without_eps =
+      headmix_ref::dcmha_reference(p.ref_weights(), ref_options, c.B, c.T, widen(p.x), p.padding);
+  const auto want = p.reference();
+  EXPECT_GT(max_abs_diff(want.output, without_eps.output), 1e-3 * max_abs(want.output));
+}
+
+// Biases, no output projection, dk != dv, out != D, batch of 3.
+TYPED_TEST(DcmhaTest, BiasesAndHeadWidths) {
+  Config c;
+  c.bias = true, c.dk = 5, c.dv = 2, c.out = 7, c.B = 3;
+  expect_matches_reference(make_problem<TypeParam>(c, 50));
+  c.out = 0;
+  expect_matches_reference(make_problem<TypeParam>(c, 51));
+}
+
+TYPED_TEST(DcmhaTest, SingleHeadAndSinglePosition) {
+  Config c;
+  c.H = 1, c.dk = c.dv = 4;
+  expect_matches_reference(make_problem<TypeParam>(c, 52));
+  Config one;
+  one.T = 1;
+  expect_matches_reference(make_problem<TypeParam>(one, 53));
+}
+
+TYPED_TEST(DcmhaTest, KeyPadding) {
+  Config c;
+  c.pad_rate = 0.3, c.T = 10;
+  expect_matches_reference(make_problem<TypeParam>(c, 55));
+  c.causal = false;
+  expect_matches_reference(make_problem<TypeParam>(c, 56));
+}
+
+// A fully masked row (every key padded) has zero weights after both
+// composes and zero attention output, never NaN.
+TYPED_TEST(DcmhaTest, FullyMaskedRowsGiveZeros) {
+  Config c;
+  c.pad_all_of_last = true, c.out = 0, c.static_w = true;
+  for (bool causal : {true, false}) {
+    c.causal = causal;
+    const auto p = make_problem<TypeParam>(c, 57);
+    expect_matches_reference(p);
+    const Result<TypeParam> r = run(p);
+    const Index b = c.B - 1, per_item_probs = Index(c.H) * c.T * c.T, per_item_out = Index(c.T) * c.out_dim();
+    for (Index i = 0; i < per_item_probs; ++i) ASSERT_EQ(r.probs[b * per_item_probs + i], TypeParam(0)) << i;
+    for (Index i = 0; i < per_item_out; ++i) ASSERT_EQ(r.out[b * per_item_out + i], TypeParam(0)) << i;
+    for (Index i = 0; i < r.out.size(); ++i) ASSERT_FALSE(std::isnan(r.out[i]));
+  }
+}
+
+// Large scores (raw logits beyond ±100, composed further): the softmax
+// stays finite (max-subtracted, no clamping) and matches the reference.
+TYPED_TEST(DcmhaTest, LargeScores) {
+  Config c;
+  c.weight_gain = 20, c.T = 9;
+  const auto p = make_problem<TypeParam>(c, 58);
+  // The largest raw score scale · q·k, in double, to show the test is what it says.
+  const Matrix<double> x = p.x.template cast<double>();
+  const Matrix<double> q = x * p.w.q.weight.template cast<double>().transpose();
+  const Matrix<double> k = x * p.w.k.weight.template cast<double>().transpose();
+  double largest = 0;
+  for (int h = 0; h < c.H; ++h)
+    largest = std::max(largest, (q.middleCols(h * c.dk, c.dk) * k.middleCols(h * c.dk, c.dk).transpose())
+                                        .cwiseAbs().maxCoeff() / std::sqrt(double(c.dk)));
+  EXPECT_GT(largest, 100.0);
+  const auto want = p.reference();
+  const Result<TypeParam> got = run(p);
+  for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(got.out[i])) << i;
+  EXPECT_TRUE(all_close("output", got.out, want.output, default_tolerance<TypeParam>()));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, default_tolerance<TypeParam>()));
+}
+
+// ---------------------------------------------------------------------------
+// Threads, workspace, API forms
+
+TYPED_TEST(DcmhaTest, ThreadsAreBitIdentical) {
+  Config c;
+  c.B = 3, c.T = 150, c.D = 16, c.H = 4, c.G = 2, c.static_w = true, c.block_rows = 7, c.pad_rate = 0.1;
+  const auto p1 = make_problem<TypeParam>(c, 60);
+  const Result<TypeParam> one = run(p1);
+  for (int threads : {2, 3}) {
+    auto p = p1;
+    p.c.threads = threads;
+    const Result<TypeParam> many = run(p);
+    EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads;
+    EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads;
+  }
+  c.window = 5, c.pad_rate = 0, c.block_rows = 0;
+  const auto w1 = make_problem<TypeParam>(c, 61);
+  auto w3 = w1;
+  w3.c.threads = 3;
+  EXPECT_TRUE(bit_identical("windowed output", run(w1).out, run(w3).out));
+}
+
+TYPED_TEST(DcmhaTest, WorkspaceReuse) {
+  headmix::Workspace<TypeParam> ws;
+  std::vector<Config> configs(3);
+  configs[0].T = 20, configs[0].H = 8, configs[0].G = 2;
+  configs[1].T = 5, configs[1].B = 1;
+  configs[2].T = 13, configs[2].static_w = true, configs[2].window = 3;
+  for (int round = 0; round < 2; ++round)
+    for (std::size_t i = 0; i < configs.size(); ++i) {
+      const auto p = make_problem<TypeParam>(configs[i], 70 + static_cast<unsigned>(i));
+      const Result<TypeParam> reused = run(p, ws), fresh = run(p);
+      EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
+      EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
+    }
+}
+
+TYPED_TEST(DcmhaTest, ApiForms) {
+  Config c;
+  c.B = 1, c.T = 6;
+  const auto p = make_problem<TypeParam>(c, 75);
+  const Result<TypeParam> expected = run(p);
+  const Dcmha<TypeParam> layer = p.layer();
+  headmix::Workspace<TypeParam> ws;
+  const Tensor<TypeParam> allocating = layer.forward(p.input(), ws);
+  EXPECT_TRUE(bit_identical("allocating", allocating, expected.out));
+  const Matrix<TypeParam> single = layer.forward(p.x);
+  ASSERT_EQ(single.rows(), c.T);
+  ASSERT_EQ(single.cols(), c.out_dim());
+  for (Index i = 0; i < single.size(); ++i) EXPECT_EQ(single.data()[i], expected.out[i]);
+  // probs arriving with a stale shape are resized and fully written.
+  Tensor<TypeParam> probs({3});
+  layer.forward(p.input(), ws, &probs);
+  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
+  EXPECT_EQ(layer.group_heads(), c.H);
+  EXPECT_EQ(layer.dw_hidden_dim(), c.K);
+  EXPECT_EQ(layer.rank(), c.R);
+}
+
+TYPED_TEST(DcmhaTest, SetOptions) {
+  Config c;
+  auto p = make_problem<TypeParam>(c, 76);
+  Dcmha<TypeParam> layer = p.layer();
+  Config changed = c;
+  changed.use_pre = false, changed.window = 3, changed.threads = 2, changed.block_rows = 2;
+  p.c = changed;
+  layer.set_options(p.options());
+  headmix::Workspace<TypeParam> ws;
+  const Tensor<TypeParam> out = layer.forward(p.input(), ws);
+  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<TypeParam>()));
+  // An invalid change throws and leaves the layer as it was.
+  DcmhaOptions bad = layer.options();
+  bad.groups = 3;
+  EXPECT_THROW(layer.set_options(bad), headmix::shape_error);
+  EXPECT_EQ(layer.options().groups, 1);
+  EXPECT_TRUE(bit_identical("after failed set_options", layer.forward(p.input(), ws), out));
+}
+
+// flops() equals the multiply-adds the naive algorithm performs, by kind.
+TYPED_TEST(DcmhaTest, FlopsEqualReferenceCount) {
+  std::vector<Config> configs(8);
+  configs[1].causal = false, configs[1].static_w = true, configs[1].out = 0;
+  configs[2].window = 3, configs[2].T = 9, configs[2].G = 2, configs[2].R = 1;
+  configs[3].use_pre = false, configs[3].key_wise = false, configs[3].bias = true;
+  configs[4].use_post = false, configs[4].query_wise = false, configs[4].static_w = true, configs[4].dk = 5;
+  configs[5].use_pre = configs[5].use_post = false;
+  configs[6].H = 6, configs[6].G = 3, configs[6].R = 3, configs[6].K = 4, configs[6].pad_rate = 0.3, configs[6].B = 1;
+  configs[7].T = 1, configs[7].query_wise = configs[7].key_wise = false;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    const auto p = make_problem<TypeParam>(configs[i], 80 + static_cast<unsigned>(i));
+    SCOPED_TRACE(describe(p.c));
+    const auto want = p.reference();
+    const headmix::DcmhaFlops got = p.layer().flop_breakdown(p.c.B, p.c.T, p.c.T);
+    EXPECT_EQ(got.projection_macs, want.projection_macs);
+    EXPECT_EQ(got.dynamic_macs, want.dynamic_macs);
+    EXPECT_EQ(got.score_macs, want.score_macs);
+    EXPECT_EQ(got.compose_macs, want.compose_macs);
+    const headmix::FlopCount total = p.layer().flops(p.c.B, p.c.T, p.c.T);
+    EXPECT_EQ(total.macs(),
+              want.projection_macs + want.dynamic_macs + want.score_macs + want.compose_macs);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Incremental decoding
+
+// Decode p's sequences in chunks of the given sizes (cycled), with a cache
+// of the given capacity; returns outputs [B, T, out] and the weights of
+// every step placed into [B, H, T, T].
+template <class T>
+Result<T> decode(const Problem<T>& p, const std::vector<Index>& chunks, Index capacity, int threads = 1) {
+  auto opt = p.options();
+  opt.threads = threads;
+  const Dcmha<T> layer(p.w, opt);
+  const Index B = p.c.B, TT = p.c.T, D = p.c.D, H = p.c.H, out_dim = p.c.out_dim();
+  SequenceCache<T> cache(B, capacity);
+  headmix::Workspace<T> ws;
+  Result<T> r;
+  r.out = Tensor<T>({B, TT, out_dim});
+  r.probs = Tensor<T>({B, H, TT, TT});
+  r.probs.set_zero();
+  Index t0 = 0;
+  for (std::size_t i = 0; t0 < TT; ++i) {
+    const Index n = std::min(chunks[i % chunks.size()], TT - t0);
+    Tensor<T> x({B, n, D}), y({B, n, out_dim}), probs;
+    for (Index b = 0; b < B; ++b)
+      for (Index t = 0; t < n; ++t)
+        for (Index d = 0; d < D; ++d) x[(b * n + t) * D + d] = p.x(b * TT + t0 + t, d);
+    layer.step(x.batch(), cache, y.batch(), ws, &probs);
+    EXPECT_EQ(cache.size(), t0 + n);
+    EXPECT_EQ(probs.shape(), (std::vector<Index>{B, H, n, t0 + n}));
+    for (Index b = 0; b < B; ++b)
+      for (Index t = 0; t < n; ++t) {
+        for (Index e = 0; e < out_dim; ++e) r.out[(b * TT + t0 + t) * out_dim + e] = y[(b * n + t) * out_dim + e];
+        for (Index h = 0; h < H; ++h)
+          for (Index s = 0; s < t0 + n; ++s)
+            r.probs[((b * H + h) * TT + t0 + t) * TT + s] = probs[((b * H + h) * n + t) * (t0 + n) + s];
+      }
+    t0 += n;
+  }
+  return r;
+}
+
+TYPED_TEST(DcmhaTest, TokenByTokenDecodingEqualsForward) {
+  std::vector<Config> configs(4);
+  configs[0].T = 12;
+  configs[1].T = 10, configs[1].window = 4, configs[1].G = 2, configs[1].static_w = true;
+  configs[2].T = 9, configs[2].R = 1, configs[2].use_pre = false, configs[2].bias = true;
+  configs[3].T = 9, configs[3].key_wise = false, configs[3].B = 1, configs[3].out = 0;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    const auto p = make_problem<TypeParam>(configs[i], 90 + static_cast<unsigned>(i));
+    SCOPED_TRACE(describe(p.c));
+    const Result<TypeParam> full = run(p);
+    const Result<TypeParam> steps = decode(p, {1}, p.c.T);
+    const Tolerance tol = default_tolerance<TypeParam>().times(2);
+    EXPECT_TRUE(all_close("output", steps.out, widen(full.out), tol));
+    EXPECT_TRUE(all_close("probs", steps.probs, widen(full.probs), tol));
+    EXPECT_TRUE(all_close("output vs reference", steps.out, p.reference().output, default_tolerance<TypeParam>()));
+  }
+}
+
+TYPED_TEST(DcmhaTest, ChunkedDecodingEqualsForward) {
+  Config c;
+  c.T = 17, c.window = 5, c.G = 2, c.static_w = true, c.block_rows = 2;
+  const auto p = make_problem<TypeParam>(c, 95);
+  const Result<TypeParam> full = run(p);
+  const Tolerance tol = default_tolerance<TypeParam>().times(2);
+  for (const std::vector<Index>& chunks : {std::vector<Index>{3}, std::vector<Index>{5, 1, 2}, std::vector<Index>{17}}) {
+    const Result<TypeParam> dec = decode(p, chunks, c.T + 3);
+    EXPECT_TRUE(all_close("output", dec.out, widen(full.out), tol)) << chunks.size();
+    EXPECT_TRUE(all_close("probs", dec.probs, widen(full.probs), tol)) << chunks.size();
+  }
+  // Threads do not change decoding either.
+  EXPECT_TRUE(bit_identical("threads", decode(p, {4}, c.T, 1).out, decode(p, {4}, c.T, 3).out));
+}
+
+// The conformance cases, decoded position by position (and in chunks of
+// 5): each position's output equals expected.output with the case's own
+// tolerance.
+TYPED_TEST(DcmhaTest, ConformanceCasesDecodedPositionByPosition) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(HEADMIX_CONFORMANCE_DIR) / "dcmha";
+  if (!fs::is_directory(dir)) GTEST_SKIP() << "no conformance cases at " << dir;
+  int cases = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    SCOPED_TRACE(entry.path().filename().string());
+    const auto f = headmix::io::load_safetensors(entry.path().string());
+    const auto config = headmix::conformance::case_config(f);
+    ASSERT_TRUE(config.value("causal", false)) << "a non-causal case cannot be decoded";
+    const bool is_float = std::is_same_v<TypeParam, float>;
+    const auto num = [&](const char* key, double fallback) {
+      auto it = f.metadata.find(key);
+      return it == f.metadata.end() ? fallback : std::stod(it->second);
+    };
+    const Tolerance tol{num(is_float ? "rtol_f32" : "rtol", 1e-4), num(is_float ? "atol_f32" : "atol", 1e-5)};
+    const Dcmha<TypeParam> layer = headmix::conformance::load_dcmha_case<TypeParam>(f);
+    const Tensor<TypeParam> x = f.get<TypeParam>("input.query");
+    const Tensor<double> want = f.get<double>("expected.output");
+    const Index B = x.dim(0), TT = x.dim(1), D = x.dim(2), out_dim = want.dim(2);
+    for (Index chunk : {Index(1), Index(5)}) {
+      SequenceCache<TypeParam> cache(B, TT);
+      headmix::Workspace<TypeParam> ws;
+      for (Index t0 = 0; t0 < TT; t0 += chunk) {
+        const Index n = std::min(chunk, TT - t0);
+        Tensor<TypeParam> xs({B, n, D});
+        for (Index b = 0; b < B; ++b)
+          for (Index i = 0; i < n * D; ++i) xs[b * n * D + i] = x[(b * TT + t0) * D + i];
+        const Tensor<TypeParam> y = layer.step(xs.batch(), cache, ws);
+        std::vector<double> expected;
+        for (Index b = 0; b < B; ++b)
+          for (Index i = 0; i < n * out_dim; ++i) expected.push_back(want[(b * TT + t0) * out_dim + i]);
+        ASSERT_TRUE(all_close("output", y, expected, tol)) << "positions " << t0 << ".." << t0 + n - 1
+                                                           << ", chunk " << chunk;
+      }
+    }
+    ++cases;
+  }
+  EXPECT_GE(cases, 5);
+}
+
+TYPED_TEST(DcmhaTest, FullCacheThrowsAndKeepsState) {
+  Config c;
+  c.T = 6, c.B = 1;
+  const auto p = make_problem<TypeParam>(c, 100);
+  const Dcmha<TypeParam> layer = p.layer();
+  SequenceCache<TypeParam> cache(1, 4);
+  headmix::Workspace<TypeParam> ws;
+  auto rows = [&](Index t0, Index n) { return headmix::ConstBatchView<TypeParam>(p.x.data() + t0 * c.D, 1, n, c.D); };
+  layer.step(rows(0, 3), cache, ws);
+  try {
+    layer.step(rows(3, 2), cache, ws);
+    ADD_FAILURE() << "no exception";
+  } catch (const headmix::cache_full_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("[dcmha] cache: 2 new positions do not fit (3 of 4 used)"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(cache.size(), 3);
+  // Nothing was written: the next position still comes out right.
+  const Tensor<TypeParam> fourth = layer.step(rows(3, 1), cache, ws);
+  EXPECT_EQ(cache.size(), 4);
+  const Result<TypeParam> full = run(p);
+  const std::vector<double> want(full.out.data() + 3 * c.out_dim(), full.out.data() + 4 * c.out_dim());
+  EXPECT_TRUE(all_close("output after the failed step", fourth, want, default_tolerance<TypeParam>().times(2)));
+  EXPECT_THROW(layer.step(rows(4, 1), cache, ws), headmix::cache_full_error);
+}
+
+// reset() forgets the positions (decoding again gives the same result);
+// reserve() with another capacity starts over too.
+TYPED_TEST(DcmhaTest, ResetAndReserve) {
+  Config c;
+  c.T = 8;
+  const auto p = make_problem<TypeParam>(c, 101);
+  const Result<TypeParam> full = run(p);
+  const Dcmha<TypeParam> layer = p.layer();
+  SequenceCache<TypeParam> cache(c.B, c.T);
+  headmix::Workspace<TypeParam> ws;
+  Tensor<TypeParam> out({c.B, c.T, c.out_dim()});
+  for (int round = 0; round < 3; ++round) {
+    if (round == 1) cache.reset();
+    if (round == 2) cache.reserve(c.B, c.T + 5);
+    EXPECT_EQ(cache.size(), 0);
+    for (Index t = 0; t < c.T; ++t) {
+      Tensor<TypeParam> x({c.B, 1, c.D});
+      for (Index b = 0; b < c.B; ++b)
+        for (Index d = 0; d < c.D; ++d) x[b * c.D + d] = p.x(b * c.T + t, d);
+      const Tensor<TypeParam> y = layer.step(x.batch(), cache, ws);
+      for (Index b = 0; b < c.B; ++b)
+        for (Index e = 0; e < c.out_dim(); ++e) out[(b * c.T + t) * c.out_dim() + e] = y[b * c.out_dim() + e];
+    }
+    EXPECT_TRUE(all_close("output", out, widen(full.out), default_tolerance<TypeParam>().times(2))) << round;
+  }
+}
+
+// step() is bottom-right causal whatever options().causal says (as MHA's):
+// a non-causal layer decodes exactly like the causal one.
+TYPED_TEST(DcmhaTest, StepIsCausalWhateverTheOptions) {
+  Config c;
+  c.T = 7;
+  const auto p = make_problem<TypeParam>(c, 104);
+  auto q = p;
+  q.c.causal = false;
+  EXPECT_TRUE(bit_identical("output", decode(p, {2}, c.T).out, decode(q, {2}, c.T).out));
+}
+
+// Once the cache and workspace are sized, a token costs no allocation.
+TYPED_TEST(DcmhaTest, DecodingAllocatesNothingOnceSized) {
+  Config c;
+  c.T = 12, c.B = 2, c.G = 2, c.static_w = true, c.window = 6;
+  const auto p = make_problem<TypeParam>(c, 102);
+  const Dcmha<TypeParam> layer = p.layer();
+  SequenceCache<TypeParam> cache(c.B, c.T);
+  headmix::Workspace<TypeParam> ws;
+  Tensor<TypeParam> x({c.B, 1, c.D}), y({c.B, 1, c.out_dim()});
+  auto token = [&](Index t) {
+    for (Index b = 0; b < c.B; ++b)
+      for (Index d = 0; d < c.D; ++d) x[b * c.D + d] = p.x(b * c.T + t, d);
+    layer.step(x.batch(), cache, y.batch(), ws);
+  };
+  token(0);  // sizes the workspace
+  const std::size_t ws_bytes = ws.bytes();
+  dcmha_test::forbidden_mallocs() = 0;
+  dcmha_test::counting_mallocs() = true;
+  Eigen::internal::set_is_malloc_allowed(false);
+  for (Index t = 1; t < c.T; ++t) token(t);
+  Eigen::internal::set_is_malloc_allowed(true);
+  dcmha_test::counting_mallocs() = false;
+  EXPECT_EQ(dcmha_test::forbidden_mallocs(), 0);
+  EXPECT_EQ(ws.bytes(), ws_bytes);
+  EXPECT_EQ(cache.size(), c.T);
+  // The check itself works: a fresh matrix inside the window is counted.
+  dcmha_test::counting_mallocs() = true;
+  Eigen::internal::set_is_malloc_allowed(false);
+  { Matrix<TypeParam> fresh(64, 64); (void)fresh; }
+  Eigen::internal::set_is_malloc_allowed(true);
+  const int eigen_counted = dcmha_test::forbidden_mallocs();
+  { std::vector<int> fresh(100); (void)fresh; }
+  dcmha_test::counting_mallocs() = false;
+  EXPECT_GT(eigen_counted, 0);
+  EXPECT_GT(dcmha_test::forbidden_mallocs(), eigen_counted);
+}
+
+// Step cost is O(S) per token: flops of a one-token step grow linearly in
+// the cache length, and a window caps them.
+TYPED_TEST(DcmhaTest, StepFlopsAreLinearInCacheLength) {
+  Config c;
+  const auto p = make_problem<TypeParam>(c, 103);
+  const Dcmha<TypeParam> layer = p.layer();
+  const auto a = layer.flop_breakdown(1, 1, 100), b = layer.flop_breakdown(1, 1, 200);
+  EXPECT_EQ(2 * a.score_macs, b.score_macs);
+  EXPECT_EQ(2 * a.compose_macs, b.compose_macs);
+  EXPECT_EQ(a.dynamic_macs, b.dynamic_macs);
+  c.window = 16;
+  const Dcmha<TypeParam> windowed = make_problem<TypeParam>(c, 103).layer();
+  EXPECT_EQ(windowed.flop_breakdown(1, 1, 100).score_macs, windowed.flop_breakdown(1, 1, 1000).score_macs);
+}
+
+// ---------------------------------------------------------------------------
+// DcmhaBadInput: every mismatch throws shape_error naming "[dcmha]", the
+// argument and both shapes.
+
+template <class Fn>
+std::string shape_error_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const headmix::shape_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a shape_error: ") + e.what() + ">";
+  }
+  return "<no exception>";
+}
+
+::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
+  for (const auto& part : parts)
+    if (message.find(part) == std::string::npos)
+      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
+  return ::testing::AssertionSuccess() << message;
+}
+
+#define EXPECT_SHAPE_ERROR(call, ...)                                                    \
+  do {                                                                                   \
+    EXPECT_THROW(call, headmix::shape_error);                                            \
+    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[dcmha]", __VA_ARGS__})); \
+  } while (0)
+
+// A valid layer (D 16, H 4 in G 2 groups of M 2, R 2, K 5, static terms);
+// each test breaks exactly one thing.
+class DcmhaBadInput : public ::testing::Test {
+ protected:
+  static constexpr int B = 2, T = 5, D = 16, H = 4, G = 2, M = 2, R = 2, K = 5, dk = 3, dv = 2, Out = 7;
+
+  DcmhaBadInput() {
+    Config c;
+    c.B = B, c.T = T, c.D = D, c.H = H, c.G = G, c.R = R, c.K = K, c.dk = dk, c.dv = dv, c.out = Out;
+    c.static_w = true, c.pad_rate = 0.2;
+    p = make_problem<double>(c, 110);
+    out.resize(B * T, Out);
+  }
+  headmix::BatchView<double> out_view() { return headmix::BatchView<double>(out.data(), B, T, Out); }
+  void build() const { Dcmha<double> layer(p.w, p.options()); }
+  void build(const DcmhaOptions& o) const { Dcmha<double> layer(p.w, o); }
+  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
+    Dcmha<double> layer(p.w, p.options());
+    headmix::Workspace<double> ws;
+    layer.forward(in, dst, ws);
+  }
+
+  Problem<double> p;
+  Matrix<double> out;
+};
+
+TEST_F(DcmhaBadInput, ValidSetupRuns) {
+  EXPECT_NO_THROW(forward(p.input(), out_view()));
+  SequenceCache<double> cache(B, T);
+  headmix::Workspace<double> ws;
+  EXPECT_NO_THROW(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, T, D), cache, out_view(), ws));
+}
+
+TEST_F(DcmhaBadInput, ZeroHeads) {
+  auto o = p.options();
+  o.num_heads = 0;
+  EXPECT_SHAPE_ERROR(build(o), "num_heads", "expected >= 1", "got 0");
+}
+TEST_F(DcmhaBadInput, ZeroGroups) {
+  auto o = p.options();
+  o.groups = 0;
+  EXPECT_SHAPE_ERROR(build(o), "groups", "expected >= 1", "got 0");
+}
+TEST_F(DcmhaBadInput, HeadsNotDivisibleByGroups) {
+  auto o = p.options();
+  o.groups = 3;
+  EXPECT_SHAPE_ERROR(build(o), "groups", "expected a divisor of num_heads = 4", "got 3");
+}
+TEST_F(DcmhaBadInput, ZeroRank) {
+  auto o = p.options();
+  o.rank = 0;
+  EXPECT_SHAPE_ERROR(build(o), "rank", "expected >= 1", "got 0");
+}
+TEST_F(DcmhaBadInput, RankNotMatchingQkw) {
+  auto o = p.options();
+  o.rank = 1;
+  EXPECT_SHAPE_ERROR(build(o), "dc.qkw", "expected [2, 4, 5, 2, 2]", "got [2, 4, 5, 4, 2]");
+}
+TEST_F(DcmhaBadInput, NegativeBlockRows) {
+  auto o = p.options();
+  o.block_rows = -1;
+  EXPECT_SHAPE_ERROR(build(o), "block_rows", "expected >= 0", "got -1");
+}
+TEST_F(DcmhaBadInput, ZeroThreads) {
+  auto o = p.options();
+  o.threads = 0;
+  EXPECT_SHAPE_ERROR(build(o), "threads", "expected >= 1", "got 0");
+}
+TEST_F(DcmhaBadInput, NegativeWindow) {
+  auto o = p.options();
+  o.window = -2;
+  EXPECT_SHAPE_ERROR(build(o), "window", "expected >= 0", "got -2");
+}
+TEST_F(DcmhaBadInput, WindowWithoutCausal) {
+  auto o = p.options();
+  o.causal = false;
+  o.window = 3;
+  EXPECT_SHAPE_ERROR(build(o), "window", "a window needs causal = true", "got 3");
+}
+TEST_F(DcmhaBadInput, NonPositiveEps) {
+  auto o = p.options();
+  o.dw_norm_eps = 0;
+  EXPECT_SHAPE_ERROR(build(o), "dw_norm_eps", "expected a finite number > 0", "got 0");
+}
+TEST_F(DcmhaBadInput, NonFiniteScale) {
+  auto o = p.options();
+  o.scale = std::numeric_limits<double>::infinity();
+  EXPECT_SHAPE_ERROR(build(o), "scale", "expected a finite number", "got inf");
+}
+
+TEST_F(DcmhaBadInput, QueryRowsNotDivisibleByHeads) {
+  p.w.q.weight.conservativeResize(11, D);
+  EXPECT_SHAPE_ERROR(build(), "q.weight", "num_heads = 4", "got [11, 16]");
+}
+TEST_F(DcmhaBadInput, KeyWeightShape) {
+  p.w.k.weight.conservativeResize(H * dk, D - 1);
+  EXPECT_SHAPE_ERROR(build(), "k.weight", "expected [12, 16]", "got [12, 15]");
+}
+TEST_F(DcmhaBadInput, ValueWeightColumns) {
+  p.w.v.weight.conservativeResize(H * dv, D + 1);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [8, 16]", "got [8, 17]");
+}
+TEST_F(DcmhaBadInput, ValueRowsNotDivisibleByHeads) {
+  p.w.v.weight.conservativeResize(7, D);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "num_heads = 4", "got [7, 16]");
+}
+TEST_F(DcmhaBadInput, OutputWeightColumns) {
+  p.w.o.weight.conservativeResize(Out, H * dv + 1);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [7, 8]", "got [7, 9]");
+}
+TEST_F(DcmhaBadInput, OutputBiasWithoutWeight) {
+  p.w.o.weight.resize(0, 0);
+  p.w.o.bias = headmix::Vector<double>::Zero(Out);
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "o.bias is given", "got [0, 0]");
+}
+TEST_F(DcmhaBadInput, QueryBiasLength) {
+  p.w.q.bias = headmix::Vector<double>::Zero(5);
+  EXPECT_SHAPE_ERROR(build(), "q.bias", "expected [12]", "got [5]");
+}
+
+TEST_F(DcmhaBadInput, Dw1InputWidth) {
+  p.w.dw1 = Tensor<double>({D + 1, G, 4, K});
+  EXPECT_SHAPE_ERROR(build(), "dc.dw1", "expected [16, 2, 4, 5]", "got [17, 2, 4, 5]");
+}
+TEST_F(DcmhaBadInput, Dw1Groups) {
+  p.w.dw1 = Tensor<double>({D, 1, 4, K});
+  EXPECT_SHAPE_ERROR(build(), "dc.dw1", "expected [16, 2, 4, 5]", "got [16, 1, 4, 5]");
+}
+TEST_F(DcmhaBadInput, Dw1Slots) {
+  p.w.dw1 = Tensor<double>({D, G, 2, K});
+  EXPECT_SHAPE_ERROR(build(), "dc.dw1", "expected [16, 2, 4, 5]", "got [16, 2, 2, 5]");
+}
+TEST_F(DcmhaBadInput, Dw1Rank) {
+  p.w.dw1 = Tensor<double>({D, G * 4, K});
+  EXPECT_SHAPE_ERROR(build(), "dc.dw1", "expected [16, 2, 4, K >= 1]", "got [16, 8, 5]");
+}
+TEST_F(DcmhaBadInput, Dw1Missing) {
+  p.w.dw1 = Tensor<double>();
+  EXPECT_SHAPE_ERROR(build(), "dc.dw1", "expected [16, 2, 4, K >= 1]", "got []");
+}
+TEST_F(DcmhaBadInput, QkwHiddenWidthNotDw1) {
+  p.w.qkw = Tensor<double>({G, 4, K + 1, 2 * R, M});
+  EXPECT_SHAPE_ERROR(build(), "dc.qkw", "expected [2, 4, 5, 4, 2]", "got [2, 4, 6, 4, 2]");
+}
+TEST_F(DcmhaBadInput, QkwGroupHeads) {
+  p.w.qkw = Tensor<double>({G, 4, K, 2 * R, H});
+  EXPECT_SHAPE_ERROR(build(), "dc.qkw", "expected [2, 4, 5, 4, 2]", "got [2, 4, 5, 4, 4]");
+}
+TEST_F(DcmhaBadInput, QkwGroups) {
+  p.w.qkw = Tensor<double>({1, 4, K, 2 * R, M});
+  EXPECT_SHAPE_ERROR(build(), "dc.qkw", "expected [2, 4, 5, 4, 2]", "got [1, 4, 5, 4, 2]");
+}
+TEST_F(DcmhaBadInput, QkwSlots) {
+  p.w.qkw = Tensor<double>({G, 2, K, 2 * R, M});
+  EXPECT_SHAPE_ERROR(build(), "dc.qkw", "expected [2, 4, 5, 4, 2]", "got [2, 2, 5, 4, 2]");
+}
+TEST_F(DcmhaBadInput, QkwMissing) {
+  p.w.qkw = Tensor<double>();
+  EXPECT_SHAPE_ERROR(build(), "dc.qkw", "expected [2, 4, 5, 4, 2]", "got []");
+}
+TEST_F(DcmhaBadInput, DdInputWidth) {
+  p.w.dd = Tensor<double>({D - 1, G, 4 * M});
+  EXPECT_SHAPE_ERROR(build(), "dc.dd", "expected [16, 2, 8]", "got [15, 2, 8]");
+}
+TEST_F(DcmhaBadInput, DdGateWidth) {
+  p.w.dd = Tensor<double>({D, G, 4 * H});
+  EXPECT_SHAPE_ERROR(build(), "dc.dd", "expected [16, 2, 8]", "got [16, 2, 16]");
+}
+TEST_F(DcmhaBadInput, DdGroups) {
+  p.w.dd = Tensor<double>({D, 1, 4 * M});
+  EXPECT_SHAPE_ERROR(build(), "dc.dd", "expected [16, 2, 8]", "got [16, 1, 8]");
+}
+TEST_F(DcmhaBadInput, DdMissing) {
+  p.w.dd = Tensor<double>();
+  EXPECT_SHAPE_ERROR(build(), "dc.dd", "expected [16, 2, 8]", "got []");
+}
+TEST_F(DcmhaBadInput, PreStaticShape) {
+  p.w.pre_w = Tensor<double>({G, M, M + 1});
+  EXPECT_SHAPE_ERROR(build(), "dc.pre_w", "expected [2, 2, 2]", "got [2, 2, 3]");
+}
+TEST_F(DcmhaBadInput, PostStaticShape) {
+  p.w.post_w = Tensor<double>({1, H, H});
+  EXPECT_SHAPE_ERROR(build(), "dc.post_w", "expected [2, 2, 2]", "got [1, 4, 4]");
+}
+TEST_F(DcmhaBadInput, StaticMissing) {
+  p.w.post_w = Tensor<double>();
+  EXPECT_SHAPE_ERROR(build(), "dc.post_w", "expected [2, 2, 2]", "got []");
+}
+// A static tensor the options would ignore is an error, not silently dropped.
+TEST_F(DcmhaBadInput, StaticGivenWithoutStaticOption) {
+  auto o = p.options();
+  o.static_w = false;
+  EXPECT_SHAPE_ERROR(build(o), "dc.pre_w", "expected none (static_w is false)", "got [2, 2, 2]");
+}
+
+TEST_F(DcmhaBadInput, QueryWidth) {
+  auto in = p.input();
+  in.query = headmix::ConstBatchView<double>(p.x.data(), B, T, D - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
+}
+TEST_F(DcmhaBadInput, KeyGiven) {
+  auto in = p.input();
+  in.key = headmix::ConstBatchView<double>(p.x.data(), B, T, D);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected none (DCMHA is self-attention", "got [2, 5, 16]");
+}
+TEST_F(DcmhaBadInput, KeyPaddingMaskShape) {
+  auto in = p.input();
+  in.key_padding.keys = T + 1;
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 5]", "got [2, 6]");
+}
+TEST_F(DcmhaBadInput, OutputBufferShape) {
+  EXPECT_SHAPE_ERROR(forward(p.input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
+                     "expected [2, 5, 7]", "got [2, 5, 6]");
+  EXPECT_SHAPE_ERROR(forward(p.input(), headmix::BatchView<double>()), "output", "expected [2, 5, 7]", "no buffer");
+}
+TEST_F(DcmhaBadInput, ZeroLengthQuery) {
+  auto in = p.input();
+  in.query = headmix::ConstBatchView<double>(p.x.data(), B, 0, D);
+  in.key_padding = {};
+  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "T >= 1",
+                     "got [2, 0, 16]");
+}
+
+TEST_F(DcmhaBadInput, StepBatchNotCacheBatch) {
+  SequenceCache<double> cache(1, T);
+  headmix::Workspace<double> ws;
+  EXPECT_SHAPE_ERROR(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, 1, D), cache, ws), "cache batch",
+                     "expected [2]", "got [1]");
+}
+TEST_F(DcmhaBadInput, StepQueryWidth) {
+  SequenceCache<double> cache(B, T);
+  headmix::Workspace<double> ws;
+  EXPECT_SHAPE_ERROR(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, 1, D - 1), cache, ws),
+                     "input.query", "expected [2, 1, 16]", "got [2, 1, 15]");
+}
+TEST_F(DcmhaBadInput, StepOutputShape) {
+  SequenceCache<double> cache(B, T);
+  headmix::Workspace<double> ws;
+  EXPECT_SHAPE_ERROR(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, 1, D), cache,
+                                    headmix::BatchView<double>(out.data(), B, 2, Out), ws),
+                     "output", "expected [2, 1, 7]", "got [2, 2, 7]");
+}
+// A full cache is not a shape error: cache_full_error (a std::length_error).
+TEST_F(DcmhaBadInput, StepCacheFull) {
+  SequenceCache<double> cache(B, 2);
+  headmix::Workspace<double> ws;
+  EXPECT_THROW(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, 3, D), cache, ws),
+               headmix::cache_full_error);
+  EXPECT_EQ(cache.size(), 0);
+}
+TEST_F(DcmhaBadInput, StepCacheOfAnotherLayer) {
+  Config c = p.c;
+  c.dv = 3;
+  const auto other = make_problem<double>(c, 111);
+  SequenceCache<double> cache(B, T);
+  headmix::Workspace<double> ws;
+  other.layer().step(headmix::ConstBatchView<double>(other.x.data(), B, 1, D), cache, ws);
+  EXPECT_SHAPE_ERROR(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, 1, D), cache, ws),
+                     "cache stream widths", "expected [12, 8,", "got [12, 12,");
+}
+
+}  // namespace
