@@ -160,3 +160,421 @@ TEST(Decoding, SizedStepAllocatesNothing) {
 }
 
 }  // namespace
+
+// ---- Talking-Heads steps, and steps on the causal conformance cases --------
+
+#include <headmix/io/safetensors.hpp>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <functional>
+#include <string>
+
+namespace {
+
+// Mixing matrices near the identity, with random off-diagonal terms (some
+// rows of negative sum, which a wrong mask order would expose).
+template <class T>
+Matrix<T> random_mix(Index out, Index in, std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(-0.6, 0.6);
+  Matrix<T> m(out, in);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(u(rng));
+  for (Index i = 0; i < std::min(out, in); ++i) m(i, i) += T(1);
+  return m;
+}
+
+struct ThShape {
+  Index hk, h, hv;
+  bool pre, post;
+};
+
+template <class T>
+TalkingHeads<T> random_talking_heads(const ThShape& s, Index D, Index dk, Index dv, Index out_dim, std::mt19937& rng,
+                                     Index block_rows = 4, int threads = 1) {
+  TalkingHeadsWeights<T> w;
+  w.q = random_linear<T>(s.hk * dk, D, rng);
+  w.k = random_linear<T>(s.hk * dk, D, rng);
+  w.v = random_linear<T>(s.hv * dv, D, rng);
+  w.o = random_linear<T>(out_dim, s.hv * dv, rng);
+  if (s.pre) w.pre_softmax = random_mix<T>(s.h, s.hk, rng);
+  if (s.post) w.post_softmax = random_mix<T>(s.hv, s.h, rng);
+  TalkingHeadsOptions opt;
+  opt.num_heads = s.h;
+  opt.key_heads = s.hk;
+  opt.value_heads = s.hv;
+  opt.causal = true;
+  opt.block_rows = block_rows;
+  opt.threads = threads;
+  return TalkingHeads<T>(std::move(w), opt);
+}
+
+// Feed x [B, T, D] to `step` in chunks and return the outputs [B, T, out]
+// and, when asked, each step's weights placed as rows of [B, H, T, T].
+template <class T, class Layer>
+Tensor<T> decode(const Layer& layer, const Tensor<T>& x, const std::vector<Index>& chunks, Index out_dim,
+                 Tensor<T>* probs = nullptr, Index heads = 0) {
+  const Index B = x.dim(0), T_ = x.dim(1);
+  SequenceCache<T> cache(B, T_);
+  Workspace<T> ws;
+  Tensor<T> y({B, T_, out_dim});
+  if (probs) {
+    probs->resize({B, heads, T_, T_});
+    probs->set_zero();
+  }
+  Index pos = 0;
+  for (Index n : chunks) {
+    Tensor<T> xs = slice(x, pos, n), ys({B, n, out_dim}), ps;
+    layer.step(xs.batch(), cache, ys.batch(), ws, probs ? &ps : nullptr);
+    for (Index b = 0; b < B; ++b)
+      for (Index i = 0; i < n; ++i)
+        for (Index c = 0; c < out_dim; ++c) y[(b * T_ + pos + i) * out_dim + c] = ys[(b * n + i) * out_dim + c];
+    if (probs) {
+      const Index S = pos + n;
+      EXPECT_EQ(ps.shape(), (std::vector<Index>{B, heads, n, S}));
+      for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < heads; ++h)
+          for (Index i = 0; i < n; ++i)
+            for (Index j = 0; j < S; ++j)
+              (*probs)[((b * heads + h) * T_ + pos + i) * T_ + j] = ps[((b * heads + h) * n + i) * S + j];
+    }
+    pos += n;
+  }
+  EXPECT_EQ(cache.size(), pos);
+  return y;
+}
+
+template <class T>
+void expect_close(const Tensor<T>& got, const Tensor<T>& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  double worst = 0;
+  for (Index i = 0; i < want.size(); ++i) {
+    const double err = std::abs(double(got[i]) - double(want[i])) / (1 + std::abs(double(want[i])));
+    worst = std::max(worst, err);
+  }
+  EXPECT_LE(worst, tol) << what;
+}
+
+// The chunkings every decoding test runs: token by token, and uneven chunks.
+std::vector<std::vector<Index>> chunkings(Index T_) {
+  std::vector<std::vector<Index>> all{std::vector<Index>(T_, 1)};
+  std::vector<Index> uneven;
+  for (Index pos = 0, n = 3; pos < T_; pos += n, n = n % 5 + 1) uneven.push_back(std::min(n, T_ - pos));
+  all.push_back(uneven);
+  all.push_back({T_});  // one step over an empty cache is the full forward itself
+  return all;
+}
+
+// Steps agree with the full causal forward to the float tolerance of the
+// MHA test (float 2e-5, double 1e-12 relative to 1 + |value|), outputs and
+// the final (post-mix) weights alike, for three different head counts, a
+// pre mix only, a post mix only and no mix at all.
+TYPED_TEST(Decoding, TalkingHeadsStepsMatchFullCausalForward) {
+  using T = TypeParam;
+  const Index B = 2, T_ = 13, D = 12, dk = 4, dv = 3, out_dim = 7;
+  const ThShape shapes[] = {
+      {3, 5, 4, true, true}, {4, 2, 2, true, false}, {2, 2, 3, false, true}, {3, 3, 3, false, false}};
+  std::mt19937 rng(21);
+  for (const ThShape& s : shapes) {
+    const TalkingHeads<T> layer = random_talking_heads<T>(s, D, dk, dv, out_dim, rng);
+    const Tensor<T> x = random_batch<T>(B, T_, D, rng);
+    Workspace<T> ws;
+    Tensor<T> full_probs;
+    const Tensor<T> full = layer.forward(AttentionInput<T>{x.batch(), {}, {}}, ws, &full_probs);
+    for (const auto& chunks : chunkings(T_)) {
+      Tensor<T> probs;
+      const Tensor<T> y = decode(layer, x, chunks, out_dim, &probs, s.hv);
+      const std::string what = "h_k=" + std::to_string(s.hk) + " h=" + std::to_string(s.h) +
+                               " h_v=" + std::to_string(s.hv) + " chunks=" + std::to_string(chunks.size());
+      expect_close(y, full, tolerance<T>(), what + " output");
+      expect_close(probs, full_probs, tolerance<T>(), what + " weights");
+    }
+  }
+}
+
+// Worker threads split a step's (batch, query block) tasks; the results
+// must not depend on their number, bit for bit.
+TEST(Decoding, TalkingHeadsStepsDoNotDependOnThreads) {
+  std::mt19937 rng(22);
+  const ThShape s{3, 5, 4, true, true};
+  const std::mt19937 start = rng;
+  const Index B = 3, T_ = 11, D = 12, out_dim = 6;
+  std::vector<Tensor<double>> results;
+  for (int threads : {1, 2, 3}) {
+    rng = start;
+    const auto layer = random_talking_heads<double>(s, D, 4, 3, out_dim, rng, 2, threads);
+    const Tensor<double> x = random_batch<double>(B, T_, D, rng);
+    results.push_back(decode(layer, x, {4, 1, 6}, out_dim));
+  }
+  for (std::size_t r = 1; r < results.size(); ++r)
+    for (Index i = 0; i < results[0].size(); ++i) ASSERT_EQ(results[r][i], results[0][i]) << "threads run " << r;
+}
+
+TEST(Decoding, TalkingHeadsFullCacheThrowsAndKeepsContents) {
+  std::mt19937 rng(23);
+  const auto layer = random_talking_heads<double>({2, 3, 2, true, true}, 8, 4, 4, 8, rng);
+  SequenceCache<double> cache(1, 3);
+  Workspace<double> ws;
+  Tensor<double> x = random_batch<double>(1, 2, 8, rng), y({1, 2, 8});
+  layer.step(x.batch(), cache, y.batch(), ws);
+  const std::vector<double> keys(cache.stream(0).data(), cache.stream(0).data() + cache.stream(0).size());
+  try {
+    layer.step(x.batch(), cache, y.batch(), ws);
+    FAIL() << "no throw";
+  } catch (const cache_full_error& e) {
+    EXPECT_STREQ(e.what(), "[talking_heads] cache: 2 new positions do not fit (2 of 3 used)");
+  }
+  EXPECT_EQ(cache.size(), 2);
+  EXPECT_TRUE(std::equal(keys.begin(), keys.end(), cache.stream(0).data())) << "a refused step wrote to the cache";
+  cache.reset();
+  EXPECT_NO_THROW(layer.step(x.batch(), cache, y.batch(), ws));
+  EXPECT_EQ(cache.size(), 2);
+}
+
+TEST(Decoding, TalkingHeadsCacheOfAnotherBatchOrLayerIsAShapeError) {
+  std::mt19937 rng(24);
+  const auto layer = random_talking_heads<double>({2, 3, 4, true, true}, 8, 4, 2, 8, rng);  // K 8, V 8 wide
+  Workspace<double> ws;
+  Tensor<double> x = random_batch<double>(1, 1, 8, rng), y({1, 1, 8});
+  SequenceCache<double> wrong_batch(2, 4);
+  try {
+    layer.step(x.batch(), wrong_batch, y.batch(), ws);
+    FAIL() << "no throw";
+  } catch (const shape_error& e) {
+    EXPECT_STREQ(e.what(), "[talking_heads] cache batch: expected [1], got [2]");
+  }
+  // A cache that an MHA layer with K/V rows of 8 and 4 values filled.
+  MhaOptions mha_opt;
+  mha_opt.num_heads = 2;
+  const Mha<double> mha(MhaWeights<double>{random_linear<double>(8, 8, rng), random_linear<double>(8, 8, rng),
+                                           random_linear<double>(4, 8, rng), {}},
+                        mha_opt);
+  SequenceCache<double> other(1, 4);
+  Tensor<double> y_mha({1, 1, 4});
+  mha.step(x.batch(), other, y_mha.batch(), ws);
+  try {
+    layer.step(x.batch(), other, y.batch(), ws);
+    FAIL() << "no throw";
+  } catch (const shape_error& e) {
+    EXPECT_STREQ(e.what(), "[talking_heads] cache stream widths: expected [8, 8], got [8, 4]");
+  }
+  EXPECT_EQ(other.size(), 1);
+  Tensor<double> wide = random_batch<double>(1, 1, 9, rng);
+  SequenceCache<double> fresh(1, 4);
+  EXPECT_THROW(layer.step(wide.batch(), fresh, y.batch(), ws), shape_error);
+  Tensor<double> y_wrong({1, 1, 7});
+  EXPECT_THROW(layer.step(x.batch(), fresh, y_wrong.batch(), ws), shape_error);
+  EXPECT_EQ(fresh.size(), 0);
+}
+
+// After a prompt of several positions has sized the cache and the
+// workspace, generating token by token allocates nothing, with both mixes
+// (the fused stage's scratch) and without any (MHA's single tile).
+TEST(Decoding, TalkingHeadsSizedStepsAllocateNothing) {
+  std::mt19937 rng(25);
+  const Index D = 32, capacity = 600;  // h · capacity values exceed the fused stage's 64 KiB chunk
+  for (const ThShape& s : {ThShape{4, 40, 4, true, true}, ThShape{4, 4, 4, false, false}}) {
+    const auto layer = random_talking_heads<float>(s, D, 8, 8, D, rng, 64);
+    SequenceCache<float> cache(1, capacity);
+    Workspace<float> ws;
+    Tensor<float> prompt = random_batch<float>(1, 5, D, rng), y_prompt({1, 5, D});
+    layer.step(prompt.batch(), cache, y_prompt.batch(), ws);
+    Tensor<float> x = random_batch<float>(1, 1, D, rng), y({1, 1, D});
+    const long before = g_allocations.load();
+    Eigen::internal::set_is_malloc_allowed(false);
+    while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
+    Eigen::internal::set_is_malloc_allowed(true);
+    EXPECT_EQ(g_allocations.load() - before, 0) << "h = " << s.h;
+  }
+}
+
+// ---- conformance cases --------------------------------------------------------
+
+// Every causal self-attention case without key padding in <variant>/, or a
+// skip when the folder is absent.
+std::vector<std::filesystem::path> causal_cases(const std::string& variant) {
+  std::vector<std::filesystem::path> found;
+  const std::filesystem::path dir = std::filesystem::path(HEADMIX_CONFORMANCE_DIR) / variant;
+  if (!std::filesystem::is_directory(dir)) return found;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    const io::TensorFile f = io::load_safetensors(entry.path().string());
+    const auto config = nlohmann::json::parse(f.metadata.at("config"));
+    if (config.value("causal", false) && !f.contains("input.key") && !f.contains("input.key_padding_mask"))
+      found.push_back(entry.path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+// Tolerances of FORMAT.md: the case's own rtol/atol in double, rtol_f32 /
+// atol_f32 (default 1e-4 / 1e-5) in float.
+template <class T>
+std::pair<double, double> case_tolerance(const io::TensorFile& f) {
+  auto number = [&](const char* key, double fallback) {
+    const auto it = f.metadata.find(key);
+    return it == f.metadata.end() ? fallback : std::stod(it->second);
+  };
+  if (std::is_same_v<T, double>) return {number("rtol", 1e-9), number("atol", 1e-12)};
+  return {number("rtol_f32", 1e-4), number("atol_f32", 1e-5)};
+}
+
+// Decode a case position by position (and in chunks of 3) with `make`'s
+// layer and compare every output with expected.output, and each step's
+// weights with the matching rows of expected.probs.
+template <class T, class Make>
+void decode_case(const std::filesystem::path& path, Make make) {
+  SCOPED_TRACE(path.filename().string());
+  const io::TensorFile f = io::load_safetensors(path.string());
+  const auto config = nlohmann::json::parse(f.metadata.at("config"));
+  const auto layer = make(f, config);
+  const Tensor<T> x = f.get<T>("input.query");
+  const Tensor<double> want = f.get<double>("expected.output");
+  const Index B = x.dim(0), T_ = x.dim(1), out_dim = want.dim(2);
+  const bool has_probs = f.contains("expected.probs");
+  const Tensor<double> want_probs = has_probs ? f.get<double>("expected.probs") : Tensor<double>();
+  const auto [rtol, atol] = case_tolerance<T>(f);
+  for (const auto& chunks : {std::vector<Index>(T_, 1), std::vector<Index>{3, 3, 3, 3, 3, 3, 3, 3}}) {
+    std::vector<Index> fitted;
+    for (Index pos = 0, k = 0; pos < T_; pos += fitted.back(), ++k)
+      fitted.push_back(std::min(chunks[static_cast<std::size_t>(k) % chunks.size()], T_ - pos));
+    Tensor<T> probs;
+    const Tensor<T> got = decode(layer, x, fitted, out_dim, has_probs ? &probs : nullptr,
+                                 has_probs ? want_probs.dim(1) : 0);
+    Index bad = 0;
+    for (Index i = 0; i < want.size(); ++i)
+      if (!(std::abs(double(got[i]) - want[i]) <= atol + rtol * std::abs(want[i]))) ++bad;
+    EXPECT_EQ(bad, 0) << "outputs outside rtol " << rtol << " / atol " << atol << ", " << fitted.size() << " steps";
+    if (has_probs) {
+      ASSERT_EQ(probs.shape(), want_probs.shape());
+      Index bad_probs = 0;
+      for (Index i = 0; i < want_probs.size(); ++i)
+        if (!(std::abs(double(probs[i]) - want_probs[i]) <= atol + rtol * std::abs(want_probs[i]))) ++bad_probs;
+      EXPECT_EQ(bad_probs, 0) << "weights outside the tolerance, " << fitted.size() << " steps";
+    }
+    (void)B;
+  }
+}
+
+TYPED_TEST(Decoding, TalkingHeadsConformanceCausalCasesPositionByPosition) {
+  using T = TypeParam;
+  const auto cases = causal_cases("talking_heads");
+  if (cases.empty()) GTEST_SKIP() << "no causal talking_heads cases under " << HEADMIX_CONFORMANCE_DIR;
+  for (const auto& path : cases)
+    decode_case<T>(path, [](const io::TensorFile& f, const nlohmann::json& config) {
+      TalkingHeadsOptions opt;
+      opt.num_heads = config.value("heads_logits", config.at("num_heads").template get<Index>());
+      opt.key_heads = config.value("heads_key", opt.num_heads);
+      opt.value_heads = config.value("heads_value", opt.num_heads);
+      if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].template get<double>();
+      opt.block_rows = 2;
+      return TalkingHeads<T>::from_tensors(f, "", opt);
+    });
+}
+
+TYPED_TEST(Decoding, MhaConformanceCausalCasePositionByPosition) {
+  using T = TypeParam;
+  const std::filesystem::path path = std::filesystem::path(HEADMIX_CONFORMANCE_DIR) / "mha" / "causal.safetensors";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
+  decode_case<T>(path, [](const io::TensorFile& f, const nlohmann::json& config) {
+    MhaOptions opt;
+    opt.num_heads = config.at("num_heads").template get<Index>();
+    opt.block_rows = 2;
+    return Mha<T>::from_tensors(f, "", opt);
+  });
+  // Every causal MHA case without padding decodes too.
+  for (const auto& other : causal_cases("mha"))
+    if (other != path)
+      decode_case<T>(other, [](const io::TensorFile& f, const nlohmann::json& config) {
+        MhaOptions opt;
+        opt.num_heads = config.at("num_heads").template get<Index>();
+        return Mha<T>::from_tensors(f, "", opt);
+      });
+}
+
+// ---- LSH from named tensors -----------------------------------------------------
+
+// from_tensors reads lsh.md's names under a prefix (F32 and BF16 storage
+// included) and builds the same layer as the weights given directly.
+TEST(Decoding, LshFromTensorsReadsLshMdNamesUnderAPrefix) {
+  std::mt19937 rng(26);
+  const Index D = 16, H = 2, dh = 8;
+  LshWeights<double> w;
+  w.qk = random_linear<double>(H * dh, D, rng);
+  w.qk.bias.resize(0);
+  w.v = random_linear<double>(H * dh, D, rng);
+  w.v.bias.resize(0);
+  w.o = random_linear<double>(D, H * dh, rng);
+  LshOptions opt;
+  opt.num_heads = H;
+  opt.bucket_size = 4;
+  opt.n_hashes = 2;
+  opt.n_buckets = 4;
+  w.rotations = Tensor<double>({1, dh, 2, 2});
+  std::normal_distribution<double> n(0, 1);
+  for (Index i = 0; i < w.rotations.size(); ++i) w.rotations[i] = n(rng);
+
+  auto as_tensor = [](const auto& m) {
+    Tensor<double> t({m.rows(), m.cols()});
+    std::copy_n(m.data(), m.size(), t.data());
+    return t;
+  };
+  io::TensorFile f;
+  const std::string p = "encoder.layer.3.attention.";
+  f.put(p + "qk.weight", io::StoredTensor::from(as_tensor(w.qk.weight), io::DType::F32));
+  f.put(p + "v.weight", io::StoredTensor::from(as_tensor(w.v.weight)));
+  f.put(p + "o.weight", io::StoredTensor::from(as_tensor(w.o.weight), io::DType::BF16));
+  Tensor<double> o_bias({D});
+  std::copy_n(w.o.bias.data(), D, o_bias.data());
+  f.put(p + "o.bias", io::StoredTensor::from(o_bias));
+  f.put(p + "rotations", io::StoredTensor::from(w.rotations));
+  const Lsh<double> loaded = Lsh<double>::from_tensors(f, p, opt);
+
+  // What the file holds after rounding: F32 and BF16 weights.
+  LshWeights<double> rounded = w;
+  rounded.qk.weight = w.qk.weight.cast<float>().cast<double>();
+  rounded.o.weight = f.matrix<double>(p + "o.weight");
+  EXPECT_NE(rounded.o.weight, w.o.weight);  // BF16 really rounded
+  EXPECT_LE((rounded.o.weight - w.o.weight).cwiseAbs().maxCoeff(), 0.01);
+  const Lsh<double> direct(rounded, opt);
+
+  Tensor<double> x = random_batch<double>(1, 16, D, rng);
+  Workspace<double> ws;
+  const Tensor<double> a = loaded.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  const Tensor<double> b = direct.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  for (Index i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]);
+
+  // Optional parts: no o (concatenated heads), no rotations (seeded).
+  io::TensorFile bare;
+  bare.put("qk.weight", f.at(p + "qk.weight"));
+  bare.put("v.weight", f.at(p + "v.weight"));
+  const Lsh<double> minimal = Lsh<double>::from_tensors(bare, "", opt);
+  EXPECT_EQ(minimal.out_dim(), H * dh);
+  EXPECT_TRUE(minimal.weights().rotations.shape().empty());
+
+  // A bias without its weight, or a missing tensor, names the tensor.
+  io::TensorFile broken = bare;
+  broken.put("o.bias", f.at(p + "o.bias"));
+  try {
+    (void)Lsh<double>::from_tensors(broken, "", opt);
+    FAIL() << "no throw";
+  } catch (const io::io_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'o.weight'"), std::string::npos) << e.what();
+  }
+  try {
+    (void)Lsh<double>::from_tensors(f, "encoder.layer.4.attention.", opt);
+    FAIL() << "no throw";
+  } catch (const io::io_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'encoder.layer.4.attention.qk.weight'"), std::string::npos) << e.what();
+  }
+  // A wrong shape names the tensor and both shapes.
+  io::TensorFile wrong = bare;
+  wrong.put("v.weight", io::StoredTensor::from(Tensor<double>({H * dh, D + 1})));
+  try {
+    (void)Lsh<double>::from_tensors(wrong, "", opt);
+    FAIL() << "no throw";
+  } catch (const shape_error& e) {
+    EXPECT_STREQ(e.what(), "[lsh] v.weight: expected [16, 16], got [16, 17]");
+  }
+}
+
+}  // namespace

@@ -97,6 +97,23 @@ class Lsh {
 
   Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) { validate(); }
 
+  /// Build from named tensors (an io::TensorFile, or anything with its
+  /// contains/matrix/vector/get accessors), as in conformance/lsh.md:
+  /// `<prefix>qk.weight`, `<prefix>v.weight`, `<prefix>o.weight`,
+  /// `<prefix>o.bias`, `<prefix>rotations`. Biases, `o` and the rotations are
+  /// optional (without rotations they are drawn from options.seed). Stored
+  /// F16/BF16/F32/F64 are converted to T.
+  template <class Source>
+  static Lsh from_tensors(const Source& tensors, const std::string& prefix, const LshOptions& options) {
+    LshWeights<T> w;
+    w.qk = read_linear<T>(tensors, prefix + "qk");
+    w.v = read_linear<T>(tensors, prefix + "v");
+    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
+      w.o = read_linear<T>(tensors, prefix + "o");
+    if (tensors.contains(prefix + "rotations")) w.rotations = tensors.template get<T>(prefix + "rotations");
+    return Lsh(std::move(w), options);
+  }
+
   Index num_heads() const { return opt_.num_heads; }
   Index head_dim() const { return w_.qk.out_features() / opt_.num_heads; }
   Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }

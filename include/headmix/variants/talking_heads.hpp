@@ -24,6 +24,11 @@
 // run while that chunk is in cache, and U overwrites J in place. The
 // readout is then one GEMM per value head, as in MHA.
 //
+// Decoding: step() appends new positions to a SequenceCache holding each
+// position's per-head K [h_k·Dk] and V [h_v·Dv], and runs the same pipeline
+// over the cached rows with a bottom-right causal mask. Nothing else is
+// cached: the mixes act on each (query, key) entry on its own.
+//
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q [B·T, h_k·Dk] + K [B·S, h_k·Dk] + V [B·S, h_v·Dv] + context [B·T, h_v·Dv]
 //   + per worker thread: max(h_k, h, h_v) · block_rows · S (the tile)
@@ -36,6 +41,7 @@
 #include "headmix/core/input.hpp"
 #include "headmix/core/linear.hpp"
 #include "headmix/core/pipeline.hpp"
+#include "headmix/core/sequence_cache.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -125,36 +131,42 @@ class TalkingHeads {
     check_input(kName, in, embed_dim(), key_dim());
     const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
     check_output(kName, out, B, T_, out_dim());
-    const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
+    const Index hk = key_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
 
-    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, hk * dk);
     MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, hk * dk);
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, hv * dv);
-    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, hv * dv);
-    project_rows<T>(w_.q, in.query.rows(), q, opt_.threads);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    q *= scale();  // the mix is linear, so the scale may go on Q before it
+    attend(in.query, k, v, S, S, mask(), in.key_padding, out, ws, probs);
+  }
 
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = S;
-    run.mask = mask();
-    run.padding = in.key_padding;
-    run.block_rows = opt_.block_rows;
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, hv, T_, S});
-      run.probs = probs->data();
+  /// Incremental decoding, with the contract of Mha::step. Attends n new
+  /// positions `x` [B, n, D] to every position in `cache` and to
+  /// themselves, and appends their per-head keys [h_k·Dk] and values
+  /// [h_v·Dv] to the cache. Alignment is bottom-right causal whatever
+  /// options().causal says: new position k sees cached positions
+  /// 0 … size + k. The mixes act per (query, key) entry, so a cached key
+  /// needs nothing besides its K and V rows. `out` must be [B, n, out_dim];
+  /// with `probs`, the final weights are written as [B, h_v, n, size + n].
+  /// Self-attention layers only (key width == D). Allocates nothing once
+  /// `ws` and `cache` are sized; throws cache_full_error (and changes
+  /// nothing) when n positions do not fit.
+  void step(ConstBatchView<T> x, SequenceCache<T>& cache, BatchView<T> out, Workspace<T>& ws,
+            Tensor<T>* probs = nullptr) const {
+    check_input(kName, AttentionInput<T>{x, {}, {}}, embed_dim(), key_dim());
+    const Index B = x.batch(), n = x.length(), past = cache.size();
+    check_shape(kName, "cache batch", {B}, {cache.batch()});
+    check_output(kName, out, B, n, out_dim());
+    cache.bind(kName, {key_heads() * head_dim(), value_heads() * v_head_dim()});
+    cache.check_room(kName, n);
+    reserve_step_scratch(ws, std::min(n, opt_.block_rows), cache.capacity());
+    for (Index b = 0; b < B; ++b) {
+      w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
+      w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
     }
-    run_dense_pipeline(Policy{q, k, v, w_.pre_softmax, w_.post_softmax, T_, S, hk, h, hv, dk, dv}, run, ws);
-
-    if (w_.o.empty())
-      out.rows() = ctx;
-    else
-      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), PositionMask{true, past, 0}, {}, out,
+           ws, probs);
+    cache.advance(n);
   }
 
   /// Allocating form: returns [B, T, out_dim].
@@ -186,12 +198,62 @@ class TalkingHeads {
   }
 
  private:
+  // Project the queries, run the pipeline over S keys/values `k`, `v`
+  // (batch item b's rows start at row b * key_stride), project the output.
+  void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, Index S, Index key_stride, const PositionMask& mask,
+              const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs) const {
+    const Index B = x.batch(), T_ = x.length();
+    const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
+    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, hk * dk);
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, hv * dv);
+    project_rows<T>(w_.q, x.rows(), q, opt_.threads);
+    q *= scale();  // the mix is linear, so the scale may go on Q before it
+
+    DenseRun<T> run;
+    run.batch = B;
+    run.queries = T_;
+    run.keys = S;
+    run.mask = mask;
+    run.padding = padding;
+    run.block_rows = opt_.block_rows;
+    run.threads = opt_.threads;
+    run.context = ctx.data();
+    if (probs) {
+      probs->resize({B, hv, T_, S});
+      run.probs = probs->data();
+    }
+    run_dense_pipeline(Policy{q, k, v, w_.pre_softmax, w_.post_softmax, T_, key_stride, hk, h, hv, dk, dv}, run, ws);
+
+    if (w_.o.empty())
+      out.rows() = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  }
+
+  // Size every worker's scratch for tiles of up to `rows` queries over up
+  // to `keys` keys, so that steps over a growing cache allocate nothing:
+  // the tile (one plane without mixes, else the fused stage's
+  // max(h_k, h, h_v) planes) and the fused stage's chunk of logits, which
+  // Policy::mix_softmax keeps at max(kChunkBytes, one row of h heads).
+  void reserve_step_scratch(Workspace<T>& ws, Index rows, Index keys) const {
+    const int workers = std::max(1, opt_.threads);
+    const bool mixes = has_pre_mix() || has_post_mix();
+    const Index planes = mixes ? std::max({key_heads(), num_heads(), value_heads()}) : 1;
+    const Index chunk = std::max(kChunkBytes / static_cast<Index>(sizeof(T)), num_heads() * keys);
+    ws.reserve_workers(workers);
+    for (int w = 0; w < workers; ++w) {
+      ws.local(w, slot::tile_a, planes * rows * keys);
+      if (mixes) ws.local(w, slot::local_variant, chunk);
+    }
+  }
+
   // MHA's score and readout stages with h_k and h_v heads, plus the two mixes.
+  // Batch item b's keys and values start at row b * key_stride of k and v.
   struct Policy {
     MatrixMap<T> q, k, v;
     const Matrix<T>& pre;
     const Matrix<T>& post;
-    Index T_, S, hk, h, hv, dk, dv;
+    Index T_, key_stride, hk, h, hv, dk, dv;
 
     Index score_heads() const { return hk; }
     Index softmax_heads() const { return h; }
@@ -202,7 +264,8 @@ class TalkingHeads {
 
     void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
       const Index rows = out.rows(), cols = out.cols();
-      out.noalias() = q.block(b * T_ + q0, a * dk, rows, dk) * k.block(b * S + k0, a * dk, cols, dk).transpose();
+      out.noalias() =
+          q.block(b * T_ + q0, a * dk, rows, dk) * k.block(b * key_stride + k0, a * dk, cols, dk).transpose();
     }
     // The pipeline runs the fused stage below; these are its unfused form.
     void pre_mix(Index, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, int) const {
@@ -222,7 +285,9 @@ class TalkingHeads {
       return mix_softmax_mix(has_pre_mix() ? &pre : nullptr, has_post_mix() ? &post : nullptr, scores, num_keys,
                              mask, key_bias, scratch, chunk);
     }
-    auto values(Index b, Index c, Index k0, Index count) const { return v.block(b * S + k0, c * dv, count, dv); }
+    auto values(Index b, Index c, Index k0, Index count) const {
+      return v.block(b * key_stride + k0, c * dv, count, dv);
+    }
   };
 
     static_assert(fuses_mix_softmax<Policy>::value, "the pipeline should take the fused mix + softmax stage");
