@@ -41,6 +41,98 @@ Tensor<T> random_tensor(std::vector<Index> shape, double scale, unsigned seed) {
   return t;
 }
 
+/// One layer of the suite: B = 1 self-attention, width D, H heads, float.
+struct LayerShape {
+  Index D, H;
+  bool causal;
+  int threads;
+};
+
+// The suite's layer of each variant, with weights of unit-variance outputs
+// (random_linear's 1/sqrt(in) scale). Settings: Talking-Heads h_k = h = h_v
+// with both mixes; CollabHead R = D/2 (half the shared dimension, the
+// re-parameterisation target) with dense mixing and a content bias; DCMHA
+// R = 2, G = 1, K = 4H, pre and post compose (the released DCFormer
+// models); LSH bucket_size 64, n_hashes 4, seeded rotations.
+inline Mha<float> make_mha(const LayerShape& s) {
+  MhaWeights<float> w{random_linear<float>(s.D, s.D, 1), random_linear<float>(s.D, s.D, 2),
+                      random_linear<float>(s.D, s.D, 3), random_linear<float>(s.D, s.D, 4)};
+  MhaOptions opt;
+  opt.num_heads = s.H;
+  opt.causal = s.causal;
+  opt.threads = s.threads;
+  return Mha<float>(std::move(w), opt);
+}
+
+inline TalkingHeads<float> make_talking_heads(const LayerShape& s) {
+  TalkingHeadsWeights<float> w;
+  w.q = random_linear<float>(s.D, s.D, 1);
+  w.k = random_linear<float>(s.D, s.D, 2);
+  w.v = random_linear<float>(s.D, s.D, 3);
+  w.o = random_linear<float>(s.D, s.D, 4);
+  w.pre_softmax = random_matrix<float>(s.H, s.H, 1.0 / std::sqrt(double(s.H)), 5);
+  w.post_softmax = random_matrix<float>(s.H, s.H, 1.0 / std::sqrt(double(s.H)), 6);
+  TalkingHeadsOptions opt;
+  opt.num_heads = s.H;
+  opt.causal = s.causal;
+  opt.threads = s.threads;
+  return TalkingHeads<float>(std::move(w), opt);
+}
+
+inline CollabHead<float> make_collab_head(const LayerShape& s) {
+  const Index R = s.D / 2;
+  CollabHeadWeights<float> w;
+  w.q = random_matrix<float>(R, s.D, 1.0 / std::sqrt(double(s.D)), 1);
+  w.k = random_matrix<float>(R, s.D, 1.0 / std::sqrt(double(s.D)), 2);
+  w.mixing = random_matrix<float>(s.H, R, 1.0, 3);
+  w.content_bias = random_matrix<float>(s.H, s.D, 1.0 / std::sqrt(double(s.D)), 4);
+  w.v = random_linear<float>(s.D, s.D, 5);
+  w.o = random_linear<float>(s.D, s.D, 6);
+  CollabHeadOptions opt;
+  opt.num_heads = s.H;
+  opt.causal = s.causal;
+  opt.threads = s.threads;
+  return CollabHead<float>(std::move(w), opt);
+}
+
+inline Dcmha<float> make_dcmha(const LayerShape& s, Index block_rows = 0) {
+  const Index H = s.H, R = 2, K = 4 * H;
+  DcmhaWeights<float> w;
+  w.q = random_linear<float>(s.D, s.D, 1);
+  w.k = random_linear<float>(s.D, s.D, 2);
+  w.v = random_linear<float>(s.D, s.D, 3);
+  w.o = random_linear<float>(s.D, s.D, 4);
+  w.dw1 = random_tensor<float>({s.D, 1, 4, K}, 1.0 / std::sqrt(double(s.D)), 5);
+  w.qkw = random_tensor<float>({1, 4, K, 2 * R, H}, 1.0 / std::sqrt(double(K)), 6);
+  w.dd = random_tensor<float>({s.D, 1, 4 * H}, 1.0 / std::sqrt(double(s.D)), 7);
+  DcmhaOptions opt;
+  opt.num_heads = H;
+  opt.rank = R;
+  opt.causal = s.causal;
+  opt.threads = s.threads;
+  opt.block_rows = block_rows;
+  return Dcmha<float>(std::move(w), opt);
+}
+
+inline Lsh<float> make_lsh(const LayerShape& s) {
+  LshWeights<float> w;
+  w.qk = random_linear<float>(s.D, s.D, 1);
+  w.v = random_linear<float>(s.D, s.D, 2);
+  w.o = random_linear<float>(s.D, s.D, 3);
+  LshOptions opt;
+  opt.num_heads = s.H;
+  opt.bucket_size = 64;
+  opt.n_hashes = 4;
+  opt.causal = s.causal;
+  opt.threads = s.threads;
+  opt.seed = 7;
+  return Lsh<float>(std::move(w), opt);
+}
+
+/// Heap allocations (malloc, operator new, Eigen's aligned buffers) made by
+/// this process so far; bench_main.cpp counts them.
+long heap_allocations();
+
 /// Counters every layer benchmark reports: analytic FLOPs per call, the
 /// rate they give, and the scratch memory the layer kept.
 inline void report(benchmark::State& state, const FlopCount& flops, std::size_t scratch_bytes) {
@@ -65,6 +157,7 @@ inline void shared_shapes(benchmark::internal::Benchmark* b) {
 /// Time `layer.forward` on one random sequence [T, D] (self-attention) and
 /// report FLOPs, GFLOP/s and scratch. The workspace is sized by one call
 /// before the timed loop, so the loop allocates nothing.
+/// Also counts heap allocations in the timed loop ("allocs": per call).
 template <class Layer>
 void time_self_attention(benchmark::State& state, const Layer& layer, Index T, Index D) {
   Matrix<float> x = random_matrix<float>(T, D, 1.0, 99);
@@ -72,12 +165,15 @@ void time_self_attention(benchmark::State& state, const Layer& layer, Index T, I
   Workspace<float> ws;
   AttentionInput<float> in{as_batch(x), {}, {}};
   layer.forward(in, as_batch(y), ws);
+  const long before = heap_allocations();
   for (auto _ : state) {
     layer.forward(in, as_batch(y), ws);
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
+  const long allocations = heap_allocations() - before;
   report(state, as_flop_count(layer.flops(1, T, T)), ws.bytes());
+  state.counters["allocs"] = benchmark::Counter(double(allocations), benchmark::Counter::kAvgIterations);
 }
 
 }  // namespace headmix::bench

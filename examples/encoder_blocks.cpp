@@ -360,10 +360,6 @@ int main(int argc, char** argv) {
     layer.set_options(opt);
     return layer;
   };
-  auto collab_threads = [threads](headmix::CollabHead<float> layer) {
-    layer.options().threads = threads;  // CollabHead exposes its options directly
-    return layer;
-  };
 
   Report report;
   std::cout << "dense encoder blocks: B=" << B << " T=" << T << " D=" << D << " H=" << H << " (sequence 1 has "
@@ -375,8 +371,8 @@ int main(int argc, char** argv) {
   EncoderBlock<headmix::Mha<float>> mha_block(headmix::Mha<float>(base, mha_opt), params);
   const Tensor y_mha = run_block("MHA", mha_block, x, padding);
 
-  EncoderBlock<headmix::CollabHead<float>> collab_block(collab_threads(collab_head(base, H, false, rng)), params);
-  EncoderBlock<headmix::CollabHead<float>> collab_copy(collab_threads(collab_head(base, H, true, rng)), params);
+  EncoderBlock<headmix::CollabHead<float>> collab_block(with_threads(collab_head(base, H, false, rng)), params);
+  EncoderBlock<headmix::CollabHead<float>> collab_copy(with_threads(collab_head(base, H, true, rng)), params);
   const Tensor y_collab = run_block("CollabHead", collab_block, x, padding);
 
   EncoderBlock<headmix::TalkingHeads<float>> th_block(with_threads(talking_heads(base, H, false, rng)), params);

@@ -726,7 +726,7 @@ TYPED_TEST(CollabHeadTest, OptionsChangedBetweenCalls) {
   for (int step = 0; step < 3; ++step) {
     p.s.causal = step > 0, p.s.offset = step == 2 ? -2 : 0, p.s.block_rows = 2 + step, p.s.threads = 1 + step;
     p.s.scale = step == 1 ? 0.3 : 0;
-    layer.options() = p.options();
+    layer.set_options(p.options());
     Tensor<T> out({s.B, s.T, s.out});
     layer.forward(p.input(), out.batch(), ws);
     EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
@@ -927,7 +927,7 @@ TEST_F(BadInput, OutputBiasLength) {
 
 TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
   w.o.weight.resize(0, 0);
-  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [out_dim, 6]", "got [0, 0]");
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 6] (o.bias is given)", "got [0, 0]");
 }
 
 TEST_F(BadInput, LayerNormNeedsOutDimEqualToEmbedDim) {
@@ -1036,25 +1036,28 @@ TEST_F(BadInput, NonFiniteScale) {
   EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number", "got nan");
 }
 
-// options() is mutable, so forward() checks the options again: a broken
-// value throws instead of being clamped or corrupting memory.
-TEST_F(BadInput, OptionsBrokenAfterConstruction) {
+// set_options() checks like the constructor and leaves the layer as it was
+// when it throws.
+TEST_F(BadInput, SetOptionsChecksAndKeepsTheOldOptions) {
   headmix::CollabHead<double> layer(w, opt);
   headmix::Workspace<double> ws;
-  layer.options().block_rows = 0;
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "block_rows", "expected >= 1", "got 0");
-  layer.options().block_rows = 64;
-  layer.options().threads = 0;
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "threads", "expected >= 1", "got 0");
-  layer.options().threads = 1;
-  layer.options().num_heads = 3;
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "mixing", "expected [3, 6]", "got [2, 6]");
-  layer.options().num_heads = 0;
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "num_heads", "expected >= 1", "got 0");
-  layer.options().num_heads = H;
-  layer.options().scale = std::numeric_limits<double>::infinity();
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "scale", "expected a finite number", "got inf");
-  layer.options().scale.reset();
+  auto changed = [&](auto change) {
+    headmix::CollabHeadOptions o = opt;
+    change(o);
+    return o;
+  };
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.block_rows = 0; })), "block_rows", "expected >= 1",
+                     "got 0");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.threads = 0; })), "threads", "expected >= 1", "got 0");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.num_heads = 3; })), "mixing", "expected [3, 6]",
+                     "got [2, 6]");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.num_heads = 0; })), "num_heads", "expected >= 1",
+                     "got 0");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.scale = std::numeric_limits<double>::infinity(); })),
+                     "scale", "expected a finite number", "got inf");
+  EXPECT_EQ(layer.options().block_rows, opt.block_rows);
+  EXPECT_EQ(layer.options().threads, opt.threads);
+  EXPECT_FALSE(layer.options().scale.has_value());
   EXPECT_NO_THROW(layer.forward(input(), out_view(), ws));
 }
 

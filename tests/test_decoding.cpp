@@ -577,4 +577,299 @@ TEST(Decoding, LshFromTensorsReadsLshMdNamesUnderAPrefix) {
   }
 }
 
+// ---- CollabHead steps ---------------------------------------------------------
+
+struct CollabShape {
+  bool content_bias, block_mixing, dense, layer_norm;
+};
+
+template <class T>
+CollabHead<T> random_collab(const CollabShape& s, Index D, Index R, Index H, Index dv, std::mt19937& rng,
+                            Index block_rows = 4, int threads = 1) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  auto fill = [&](Matrix<T>& m, Index rows, Index cols, double gain) {
+    m.resize(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(gain * u(rng));
+  };
+  CollabHeadWeights<T> w;
+  fill(w.q, R, D, 1 / std::sqrt(double(D)));
+  fill(w.k, R, D, 1 / std::sqrt(double(D)));
+  fill(w.mixing, H, R, 1.0);
+  if (s.block_mixing)  // CONCATENATE: head h owns shared columns [h·R/H, (h+1)·R/H)
+    for (Index h = 0; h < H; ++h)
+      for (Index r = 0; r < R; ++r) w.mixing(h, r) = r / (R / H) == h ? T(1) : T(0);
+  if (s.content_bias) fill(w.content_bias, H, D, 1 / std::sqrt(double(D)));
+  w.v = random_linear<T>(H * dv, D, rng);
+  if (s.dense) w.o = random_linear<T>(D, H * dv, rng);
+  if (s.layer_norm) {
+    w.layer_norm.weight = Vector<T>::Constant(D, T(1.5));
+    w.layer_norm.bias = Vector<T>::Constant(D, T(-0.25));
+  }
+  CollabHeadOptions opt;
+  opt.num_heads = H;
+  opt.causal = true;
+  opt.block_rows = block_rows;
+  opt.threads = threads;
+  return CollabHead<T>(std::move(w), opt);
+}
+
+// Steps agree with the full causal forward (float 2e-5, double 1e-12
+// relative to 1 + |value|), outputs and weights, with and without the
+// content bias, with dense and block mixing, without o, with the LayerNorm.
+TYPED_TEST(Decoding, CollabHeadStepsMatchFullCausalForward) {
+  using T = TypeParam;
+  const Index B = 2, T_ = 13, D = 12, R = 8, H = 4, dv = 3;
+  const CollabShape shapes[] = {
+      {true, false, true, false}, {true, true, true, true}, {false, false, false, false}, {true, false, true, true}};
+  std::mt19937 rng(31);
+  for (const CollabShape& s : shapes) {
+    const CollabHead<T> layer = random_collab<T>(s, D, R, H, dv, rng);
+    const Tensor<T> x = random_batch<T>(B, T_, D, rng);
+    Workspace<T> ws;
+    Tensor<T> full_probs;
+    const Tensor<T> full = layer.forward(AttentionInput<T>{x.batch(), {}, {}}, ws, &full_probs);
+    for (const auto& chunks : chunkings(T_)) {
+      Tensor<T> probs;
+      const Tensor<T> y = decode(layer, x, chunks, layer.out_dim(), &probs, H);
+      const std::string what = "content_bias=" + std::to_string(s.content_bias) + " block=" +
+                               std::to_string(s.block_mixing) + " dense=" + std::to_string(s.dense) +
+                               " layer_norm=" + std::to_string(s.layer_norm) + " steps=" +
+                               std::to_string(chunks.size());
+      expect_close(y, full, tolerance<T>(), what + " output");
+      expect_close(probs, full_probs, tolerance<T>(), what + " weights");
+    }
+  }
+}
+
+TEST(Decoding, CollabHeadStepsDoNotDependOnThreads) {
+  const Index B = 3, T_ = 11, D = 12;
+  std::mt19937 rng(32);
+  const std::mt19937 start = rng;
+  std::mt19937 rng1 = start, rng2 = start;
+  const auto one = random_collab<double>({true, false, true, true}, D, 8, 4, 3, rng1, 2, 1);
+  const auto two = random_collab<double>({true, false, true, true}, D, 8, 4, 3, rng2, 2, 2);
+  const Tensor<double> x = random_batch<double>(B, T_, D, rng);
+  const std::vector<Index> chunks{1, 4, 2, 4};
+  const Tensor<double> a = decode(one, x, chunks, D), b = decode(two, x, chunks, D);
+  ASSERT_EQ(a.shape(), b.shape());
+  for (Index i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << i;
+}
+
+TEST(Decoding, CollabHeadFullCacheThrowsAndKeepsContents) {
+  std::mt19937 rng(33);
+  const Index D = 8;
+  const auto layer = random_collab<double>({true, false, true, false}, D, 4, 2, 2, rng);
+  SequenceCache<double> cache(1, 3);
+  Workspace<double> ws;
+  Tensor<double> x = random_batch<double>(1, 2, D, rng), y({1, 2, D});
+  layer.step(x.batch(), cache, y.batch(), ws);
+  const Tensor<double> first = y;
+  EXPECT_THROW(layer.step(x.batch(), cache, y.batch(), ws), cache_full_error);
+  EXPECT_EQ(cache.size(), 2);
+  cache.reset();
+  layer.step(x.batch(), cache, y.batch(), ws);
+  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y[i], first[i]);
+  // A cache bound by another layer (other stream widths) is a shape error.
+  MhaWeights<double> mw{random_linear<double>(D, D, rng), random_linear<double>(D, D, rng),
+                        random_linear<double>(D, D, rng), random_linear<double>(D, D, rng)};
+  MhaOptions mo;
+  mo.num_heads = 2;
+  SequenceCache<double> mha_cache(1, 3);
+  Tensor<double> x1 = random_batch<double>(1, 1, D, rng), y1({1, 1, D});
+  Mha<double>(mw, mo).step(x1.batch(), mha_cache, y1.batch(), ws);
+  try {
+    layer.step(x1.batch(), mha_cache, y1.batch(), ws);
+    FAIL() << "no throw";
+  } catch (const shape_error& e) {
+    EXPECT_STREQ(e.what(), "[collab] cache stream widths: expected [4, 4, 2], got [8, 8]");
+  }
+}
+
+// Token-by-token generation after a prompt allocates nothing, with the
+// content bias (its per-worker row) and the LayerNorm.
+TEST(Decoding, CollabHeadSizedStepsAllocateNothing) {
+  std::mt19937 rng(34);
+  const Index D = 32, capacity = 300;
+  const auto layer = random_collab<float>({true, false, true, true}, D, 16, 4, 8, rng, 64);
+  SequenceCache<float> cache(1, capacity);
+  Workspace<float> ws;
+  Tensor<float> prompt = random_batch<float>(1, 5, D, rng), y_prompt({1, 5, D});
+  layer.step(prompt.batch(), cache, y_prompt.batch(), ws);
+  Tensor<float> x = random_batch<float>(1, 1, D, rng), y({1, 1, D});
+  const long before = g_allocations.load();
+  Eigen::internal::set_is_malloc_allowed(false);
+  while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
+  Eigen::internal::set_is_malloc_allowed(true);
+  EXPECT_EQ(g_allocations.load() - before, 0);
+}
+
+// With two worker threads the steps run on the persistent worker pool:
+// once it has started its thread, steps allocate nothing either (two batch
+// items give the pipeline two tasks).
+TEST(Decoding, SizedStepsOnTwoThreadsAllocateNothing) {
+  std::mt19937 rng(37);
+  const Index B = 2, D = 32, capacity = 100;
+  MhaWeights<float> w{random_linear<float>(D, D, rng), random_linear<float>(D, D, rng),
+                      random_linear<float>(D, D, rng), random_linear<float>(D, D, rng)};
+  MhaOptions opt;
+  opt.num_heads = 4;
+  opt.threads = 2;
+  const Mha<float> mha(w, opt);
+  const auto collab = random_collab<float>({true, false, true, true}, D, 16, 4, 8, rng, 64, 2);
+  auto run = [&](const auto& layer, const char* name) {
+    SequenceCache<float> cache(B, capacity);
+    Workspace<float> ws;
+    Tensor<float> x = random_batch<float>(B, 1, D, rng), y({B, 1, D});
+    layer.step(x.batch(), cache, y.batch(), ws);
+    const long before = g_allocations.load();
+    Eigen::internal::set_is_malloc_allowed(false);
+    while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
+    Eigen::internal::set_is_malloc_allowed(true);
+    EXPECT_EQ(g_allocations.load() - before, 0) << name;
+  };
+  run(mha, "mha");
+  run(collab, "collab");
+}
+
+}  // namespace
+
+// ---- CollabHead and DCMHA from named tensors; conformance cases decoded -----
+
+#include "conformance/case_collab.hpp"
+#include "conformance/case_dcmha.hpp"
+
+namespace {
+
+TYPED_TEST(Decoding, CollabHeadConformanceCausalCasesPositionByPosition) {
+  using T = TypeParam;
+  const auto cases = causal_cases("collab");
+  if (cases.empty()) GTEST_SKIP() << "no causal collab cases under " << HEADMIX_CONFORMANCE_DIR;
+  for (const auto& path : cases)
+    decode_case<T>(path, [](const io::TensorFile& f, const nlohmann::json&) {
+      return conformance::load_collab_case<T>(f);
+    });
+}
+
+template <class T>
+Tensor<double> as_tensor(const T& m) {
+  Tensor<double> t({m.rows(), m.cols()});
+  for (Index r = 0; r < m.rows(); ++r)
+    for (Index c = 0; c < m.cols(); ++c) t[r * m.cols() + c] = static_cast<double>(m(r, c));
+  return t;
+}
+Tensor<double> as_tensor(const Vector<double>& v) {
+  Tensor<double> t({v.size()});
+  std::copy_n(v.data(), v.size(), t.data());
+  return t;
+}
+
+// The message of the shape_error `build` throws, or "" if none.
+template <class Build>
+std::string shape_message(Build build) {
+  try {
+    build();
+  } catch (const shape_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// from_tensors reads collab.md's names under a prefix (F16 storage
+// included), builds the layer the weights build directly, and names the
+// stored tensor, prefix and all, in a shape error.
+TEST(Decoding, CollabHeadFromTensorsReadsCollabMdNamesUnderAPrefix) {
+  std::mt19937 rng(35);
+  const Index D = 12, R = 8, H = 4, dv = 3;
+  const auto direct = random_collab<double>({true, false, true, true}, D, R, H, dv, rng);
+  const auto& w = direct.weights();
+  const std::string p = "encoder.layer.3.attention.";
+  io::TensorFile f;
+  f.put(p + "q.weight", io::StoredTensor::from(as_tensor(w.q)));
+  f.put(p + "k.weight", io::StoredTensor::from(as_tensor(w.k), io::DType::F32));
+  f.put(p + "mixing", io::StoredTensor::from(as_tensor(w.mixing)));
+  f.put(p + "content_bias.weight", io::StoredTensor::from(as_tensor(w.content_bias)));
+  f.put(p + "v.weight", io::StoredTensor::from(as_tensor(w.v.weight)));
+  f.put(p + "v.bias", io::StoredTensor::from(as_tensor(w.v.bias)));
+  f.put(p + "o.weight", io::StoredTensor::from(as_tensor(w.o.weight), io::DType::F16));
+  f.put(p + "o.bias", io::StoredTensor::from(as_tensor(w.o.bias)));
+  f.put(p + "layer_norm.weight", io::StoredTensor::from(as_tensor(w.layer_norm.weight)));
+  f.put(p + "layer_norm.bias", io::StoredTensor::from(as_tensor(w.layer_norm.bias)));
+  const auto loaded = CollabHead<double>::from_tensors(f, p, direct.options());
+
+  CollabHeadWeights<double> rounded = w;  // what the file holds: F32 keys, F16 output weight
+  rounded.k = w.k.cast<float>().cast<double>();
+  rounded.o.weight = f.matrix<double>(p + "o.weight");
+  EXPECT_NE(rounded.o.weight, w.o.weight);
+  const CollabHead<double> same(rounded, direct.options());
+  const Tensor<double> x = random_batch<double>(2, 7, D, rng);
+  Workspace<double> ws;
+  const Tensor<double> a = loaded.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  const Tensor<double> b = same.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  for (Index i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]);
+
+  io::TensorFile wrong = f;
+  wrong.put(p + "mixing", io::StoredTensor::from(Tensor<double>({H, R + 1})));
+  EXPECT_EQ(shape_message([&] { (void)CollabHead<double>::from_tensors(wrong, p, direct.options()); }),
+            "[collab] encoder.layer.3.attention.mixing: expected [4, 8], got [4, 9]");
+  io::TensorFile half_norm = f;
+  half_norm.tensors.erase(p + "layer_norm.bias");
+  EXPECT_THROW((void)CollabHead<double>::from_tensors(half_norm, p, direct.options()), io::io_error);
+  // An option is not a tensor: its name stays as it is.
+  CollabHeadOptions bad = direct.options();
+  bad.block_rows = 0;
+  EXPECT_EQ(shape_message([&] { (void)CollabHead<double>::from_tensors(f, p, bad); }),
+            "[collab] block_rows: expected >= 1, got 0");
+}
+
+// MHA and Talking-Heads name the prefixed tensor too.
+TEST(Decoding, FromTensorsShapeErrorsNameTheStoredTensor) {
+  std::mt19937 rng(36);
+  const Index D = 8, H = 2;
+  const std::string p = "model.layers.0.self_attn.";
+  io::TensorFile f;
+  f.put(p + "q.weight", io::StoredTensor::from(as_tensor(random_linear<double>(D, D, rng).weight)));
+  f.put(p + "k.weight", io::StoredTensor::from(as_tensor(random_linear<double>(D, D, rng).weight)));
+  f.put(p + "v.weight", io::StoredTensor::from(as_tensor(random_linear<double>(D, D + 1, rng).weight)));
+  MhaOptions mo;
+  mo.num_heads = H;
+  EXPECT_EQ(shape_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }),
+            "[mha] model.layers.0.self_attn.v.weight: expected [8, 8], got [8, 9]");
+  TalkingHeadsOptions to;
+  to.num_heads = H;
+  EXPECT_EQ(shape_message([&] { (void)TalkingHeads<double>::from_tensors(f, p, to); }),
+            "[talking_heads] model.layers.0.self_attn.v.weight: expected [8, 8], got [8, 9]");
+  mo.block_rows = 0;  // an option, not a tensor
+  EXPECT_EQ(shape_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }), "[mha] block_rows: expected >= 1, got 0");
+}
+
+// DCMHA from dcmha.md's names under a prefix equals the layer built from
+// the same weights directly, BF16 storage included.
+TEST(Decoding, DcmhaFromTensorsReadsDcmhaMdNamesUnderAPrefix) {
+  const std::filesystem::path path = std::filesystem::path(HEADMIX_CONFORMANCE_DIR) / "dcmha";
+  if (!std::filesystem::is_directory(path)) GTEST_SKIP() << path << " is absent";
+  std::filesystem::path any;
+  for (const auto& e : std::filesystem::directory_iterator(path))
+    if (e.path().extension() == ".safetensors" && (any.empty() || e.path() < any)) any = e.path();
+  const io::TensorFile f = io::load_safetensors(any.string());
+  const auto plain = conformance::load_dcmha_case<double>(f);
+  const std::string p = "blocks.7.attn.";
+  io::TensorFile prefixed;
+  for (const auto& [name, t] : f.tensors)
+    if (name.rfind("input.", 0) != 0 && name.rfind("expected.", 0) != 0) prefixed.put(p + name, t);
+  prefixed.put(p + "dc.dd", io::StoredTensor::from(f.get<double>("dc.dd"), io::DType::BF16));
+  const auto loaded = Dcmha<double>::from_tensors(prefixed, p, plain.options());
+  DcmhaWeights<double> rounded = plain.weights();
+  rounded.dd = prefixed.get<double>(p + "dc.dd");
+  const Dcmha<double> same(rounded, plain.options());
+  const Tensor<double> x = f.get<double>("input.query");
+  Workspace<double> ws;
+  const Tensor<double> a = loaded.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  const Tensor<double> b = same.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  for (Index i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]);
+
+  prefixed.put(p + "dc.dd", io::StoredTensor::from(Tensor<double>({1, 1, 1})));
+  const std::string msg = shape_message([&] { (void)Dcmha<double>::from_tensors(prefixed, p, plain.options()); });
+  EXPECT_EQ(msg.rfind("[dcmha] blocks.7.attn.dc.dd: expected ", 0), 0u) << msg;
+}
+
 }  // namespace

@@ -580,15 +580,17 @@ TYPED_TEST(LshTest, SeededRotationsAreThePublicOnes) {
     auto explicit_p = make_problem<T>(s, 190);
     auto seeded_p = explicit_p;
     seeded_p.w.rotations = Tensor<T>();
-    headmix::Lsh<T> seeded(seeded_p.w, seeded_p.options());
-    seeded.options().seed = 1234;
+    auto seeded_options = seeded_p.options();
+    seeded_options.seed = 1234;
+    headmix::Lsh<T> seeded(seeded_p.w, seeded_options);
     explicit_p.w.rotations = headmix::lsh_rotations<T>(1234, per_head ? s.B * s.H : 1, s.dh, s.NH, s.n_buckets());
     EXPECT_EQ(explicit_p.w.rotations.shape(), seeded.rotation_shape(s.B, s.T));
     headmix::Workspace<T> ws;
     const Tensor<T> a = seeded.forward(seeded_p.input(), ws);
     const Tensor<T> b = explicit_p.layer().forward(explicit_p.input(), ws);
     EXPECT_TRUE(bit_identical("seeded vs explicit", a, b)) << "per_head " << per_head;
-    seeded.options().seed = 1235;
+    seeded_options.seed = 1235;
+    seeded.set_options(seeded_options);
     const Tensor<T> c = seeded.forward(seeded_p.input(), ws);
     double diff = 0;
     for (Index i = 0; i < a.size(); ++i) diff = std::max(diff, std::abs(double(a[i]) - double(c[i])));
@@ -641,7 +643,7 @@ TYPED_TEST(LshTest, OptionsChangedBetweenCalls) {
   headmix::Workspace<T> ws;
   for (int step = 0; step < 3; ++step) {
     p.s.causal = step > 0, p.s.across = step != 1, p.s.dup = step != 2, p.s.threads = 1 + step;
-    layer.options() = p.options();
+    layer.set_options(p.options());
     Tensor<T> out({s.B, s.T, s.out});
     layer.forward(p.input(), out.batch(), ws);
     EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
@@ -923,7 +925,7 @@ TEST_F(BadInput, OutputBiasLength) {
 
 TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
   w.o.weight.resize(0, 0);
-  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [out_dim, 6]", "got [0, 0]");
+  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 6] (o.bias is given)", "got [0, 0]");
 }
 
 TEST_F(BadInput, BucketSizeNotPositive) {
@@ -1057,18 +1059,24 @@ TEST_F(BadInput, SequenceTooLongForSlotIndices) {
                      "got [1, 268435456, 12]");
 }
 
-// Options are checked again by every call, not only at construction.
-TEST_F(BadInput, OptionsBrokenAfterConstruction) {
+// set_options() checks like the constructor and leaves the layer as it was
+// when it throws.
+TEST_F(BadInput, SetOptionsChecksAndKeepsTheOldOptions) {
   headmix::Lsh<double> layer(w, opt);
   headmix::Workspace<double> ws;
-  layer.options().bucket_size = 0;
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "bucket_size", "expected >= 1", "got 0");
-  layer.options().bucket_size = bs;
-  layer.options().num_heads = 3;
-  EXPECT_SHAPE_ERROR(layer.forward(input(), out_view(), ws), "qk.weight", "num_heads = 3");
-  layer.options().num_heads = H;
-  layer.options().n_buckets = 3;
-  EXPECT_SHAPE_ERROR(layer.buckets(input(), ws), "n_buckets", "got 3");
+  auto changed = [&](auto change) {
+    headmix::LshOptions o = opt;
+    change(o);
+    return o;
+  };
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.bucket_size = 0; })), "bucket_size", "expected >= 1",
+                     "got 0");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.num_heads = 3; })), "qk.weight", "num_heads = 3");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.n_buckets = 3; })), "n_buckets", "got 3");
+  EXPECT_EQ(layer.options().bucket_size, opt.bucket_size);
+  EXPECT_EQ(layer.options().num_heads, opt.num_heads);
+  EXPECT_EQ(layer.options().n_buckets, opt.n_buckets);
+  EXPECT_NO_THROW(layer.forward(input(), out_view(), ws));
 }
 
 TEST_F(BadInput, FlopsForCrossLengths) {

@@ -14,17 +14,6 @@ namespace headmix::conformance {
 template <class T>
 Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
   const auto config = case_config(f);
-  DcmhaWeights<T> w;
-  w.q = read_linear<T>(f, "q");
-  w.k = read_linear<T>(f, "k");
-  w.v = read_linear<T>(f, "v");
-  w.o = read_linear<T>(f, "o");
-  w.dw1 = f.get<T>("dc.dw1");
-  w.qkw = f.get<T>("dc.qkw");
-  w.dd = f.get<T>("dc.dd");
-  if (f.contains("dc.pre_w")) w.pre_w = f.get<T>("dc.pre_w");
-  if (f.contains("dc.post_w")) w.post_w = f.get<T>("dc.post_w");
-
   DcmhaOptions opt;
   opt.num_heads = config.at("num_heads").get<Index>();
   opt.groups = config.value("groups", Index(1));
@@ -42,7 +31,7 @@ Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
   opt.gelu = gelu == "erf" ? DcmhaGelu::erf : DcmhaGelu::tanh;
   if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
   opt.block_rows = 4;
-  return Dcmha<T>(std::move(w), opt);
+  return Dcmha<T>::from_tensors(f, "", opt);
 }
 
 template <class T>

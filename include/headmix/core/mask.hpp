@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 namespace headmix {
@@ -24,11 +25,13 @@ struct PositionMask {
   Index window = 0;
 
   /// Keys [lo, hi) that query i may see among S keys, before padding.
+  /// Any offset is valid, down to the limits of Index: the sums saturate.
   std::pair<Index, Index> key_range(Index i, Index S) const {
     Index lo = 0, hi = S;
     if (causal) {
-      hi = std::clamp<Index>(i + causal_offset + 1, 0, S);
-      if (window > 0) lo = std::clamp<Index>(i + causal_offset - window + 1, 0, S);
+      const Index last = saturating_add(i, causal_offset);
+      hi = std::clamp<Index>(saturating_add(last, 1), 0, S);
+      if (window > 0) lo = std::clamp<Index>(saturating_add(last, 1 - window), 0, S);
     }
     return {lo, std::max(lo, hi)};
   }
@@ -38,6 +41,13 @@ struct PositionMask {
     Index lo = key_range(first, S).first, hi = key_range(first + n - 1, S).second;
     return {lo, std::max(lo, hi)};
   }
+  static Index saturating_add(Index a, Index b) {
+    constexpr Index top = std::numeric_limits<Index>::max(), bottom = std::numeric_limits<Index>::min();
+    if (b > 0 && a > top - b) return top;
+    if (b < 0 && a < bottom - b) return bottom;
+    return a + b;
+  }
+
   /// Number of (query, key) pairs a dense [T, S] layer leaves visible.
   std::int64_t visible_pairs(Index T, Index S) const {
     std::int64_t n = 0;

@@ -1,4 +1,4 @@
-// A static parallel loop on std::thread.
+// A parallel loop on persistent std::thread workers.
 //
 // Work is split into tasks whose boundaries do not depend on the thread
 // count, and each task's arithmetic is the same whichever thread runs it,
@@ -11,16 +11,101 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <exception>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 namespace headmix {
 
+namespace detail {
+
+// The process's worker threads. Starting threads costs tens of microseconds
+// and a heap allocation each, and a decoding step calls parallel_for several
+// times per token, so workers are started once and then woken per loop.
+// One loop owns the pool at a time; a loop that finds it busy (another user
+// thread, or a nested loop) starts threads of its own instead.
+class WorkerPool {
+ public:
+  using Job = void (*)(void* context, int worker);
+
+  static WorkerPool& instance() {
+    static WorkerPool pool;
+    return pool;
+  }
+
+  /// Run job(context, w) for w in [0, workers): w = 0 on the calling thread,
+  /// the others on pool threads. Returns false, having run nothing, if the
+  /// pool is busy. `job` must not throw.
+  bool try_run(int workers, Job job, void* context) {
+    std::unique_lock<std::mutex> owner(busy_, std::try_to_lock);
+    if (!owner.owns_lock()) return false;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      while (static_cast<int>(threads_.size()) < workers - 1) {
+        const int w = static_cast<int>(threads_.size()) + 1;
+        threads_.emplace_back([this, w, seen = generation_] { serve(w, seen); });
+      }
+      job_ = job, context_ = context, active_ = workers - 1, pending_ = workers - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job(context, 0);
+    std::unique_lock<std::mutex> lock(m_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+    return true;
+  }
+
+  ~WorkerPool() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  WorkerPool() = default;
+
+  void serve(int worker, std::uint64_t seen) {
+    for (;;) {
+      Job job;
+      void* context;
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (worker > active_) continue;  // this loop needs fewer workers
+        job = job_, context = context_;
+      }
+      job(context, worker);
+      std::lock_guard<std::mutex> lock(m_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex busy_;  // held by the loop that owns the pool
+  std::mutex m_;     // guards everything below
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  Job job_ = nullptr;
+  void* context_ = nullptr;
+  int active_ = 0, pending_ = 0;
+  std::uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+}  // namespace detail
+
 /// Run `fn(task, worker)` for task in [0, tasks) on up to `threads` workers
 /// (worker in [0, threads)). Workers take the next task from a shared
 /// counter, so uneven tasks (causal blocks) still balance. Which worker runs
 /// a task never changes its result; the first exception is rethrown here.
+/// Allocates nothing once the pool has started enough threads.
 template <class Fn>
 void parallel_for(Index tasks, int threads, Fn&& fn) {
   const int workers = static_cast<int>(std::clamp<Index>(tasks, 1, std::max(1, threads)));
@@ -29,22 +114,26 @@ void parallel_for(Index tasks, int threads, Fn&& fn) {
     return;
   }
   std::atomic<Index> next{0};
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
   auto run = [&](int w) {
     try {
       for (Index t = next++; t < tasks; t = next++) fn(t, w);
     } catch (...) {
-      errors[static_cast<std::size_t>(w)] = std::current_exception();
+      if (!failed.exchange(true)) error = std::current_exception();
       next = tasks;  // stop handing out work
     }
   };
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<std::size_t>(workers - 1));
-  for (int w = 1; w < workers; ++w) pool.emplace_back(run, w);
-  run(0);
-  for (auto& th : pool) th.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  using Run = decltype(run);
+  const auto job = [](void* context, int w) { (*static_cast<Run*>(context))(w); };
+  if (!detail::WorkerPool::instance().try_run(workers, job, &run)) {
+    std::vector<std::thread> own;
+    own.reserve(static_cast<std::size_t>(workers - 1));
+    for (int w = 1; w < workers; ++w) own.emplace_back(run, w);
+    run(0);
+    for (auto& th : own) th.join();
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 /// `out = in · Wᵀ + b` over many rows, in fixed chunks of rows so that the

@@ -38,6 +38,12 @@ class SequenceCache {
   }
   /// Forget all positions, keep the memory.
   void reset() { size_ = 0; }
+  /// Keep the first n positions only (rolling back rejected draft tokens,
+  /// or re-running a step); later steps overwrite the rest.
+  void truncate(Index n) {
+    check_value(n >= 0 && n <= size_, "cache", "truncate length", "0 <= n <= " + std::to_string(size_), n);
+    size_ = n;
+  }
 
   Index batch() const { return batch_; }
   Index capacity() const { return capacity_; }

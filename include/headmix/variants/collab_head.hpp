@@ -31,10 +31,14 @@
 //
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q̃ [B·T, R] + K̃ [B·S, R] + V [B·S, H·Dv] + context [B·T, H·Dv]
-//   + content bias [H, B·S] + scaled mixing [H, R]
+//   + content bias [B·S, H] + scaled mixing [H, R]
 //   + per worker thread: block_rows · S (one head's tile) + block_rows · R
-//     (one head's mixed queries) + S (padding bias)
+//     (one head's mixed queries) + 2·S (padding bias, one head's content bias)
 // values: attention memory grows with block_rows · (S + R), never H · T · S.
+//
+// Decoding: step() caches, per position, what the keys contribute — the
+// shared keys K̃ [R], the values [H·Dv] and the scaled content bias [H] —
+// in a SequenceCache, and runs the same pipeline over the cached rows.
 #pragma once
 
 #include "headmix/core/error.hpp"
@@ -43,6 +47,7 @@
 #include "headmix/core/linear.hpp"
 #include "headmix/core/parallel.hpp"
 #include "headmix/core/pipeline.hpp"
+#include "headmix/core/sequence_cache.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -107,6 +112,33 @@ class CollabHead {
     }
   }
 
+  /// Build from named tensors (an io::TensorFile, or anything with the same
+  /// contains/matrix/vector accessors), with the names of conformance/collab.md
+  /// after `prefix`: `q.weight`, `k.weight`, `mixing`, `content_bias.weight`,
+  /// `v.weight`, `v.bias`, `o.weight`, `o.bias`, `layer_norm.weight`,
+  /// `layer_norm.bias`. The content bias, biases, `o` and the LayerNorm are
+  /// optional (a LayerNorm needs both tensors). Stored F16/BF16/F32/F64 are
+  /// converted to T; `layer_norm_eps` is the LayerNorm's eps.
+  template <class Source>
+  static CollabHead from_tensors(const Source& tensors, const std::string& prefix, const CollabHeadOptions& options,
+                                 double layer_norm_eps = 1e-5) {
+    CollabHeadWeights<T> w;
+    w.q = tensors.template matrix<T>(prefix + "q.weight");
+    w.k = tensors.template matrix<T>(prefix + "k.weight");
+    w.mixing = tensors.template matrix<T>(prefix + "mixing");
+    if (tensors.contains(prefix + "content_bias.weight"))
+      w.content_bias = tensors.template matrix<T>(prefix + "content_bias.weight");
+    w.v = read_linear<T>(tensors, prefix + "v");
+    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
+      w.o = read_linear<T>(tensors, prefix + "o");
+    if (tensors.contains(prefix + "layer_norm.weight") || tensors.contains(prefix + "layer_norm.bias")) {
+      w.layer_norm.weight = tensors.template vector<T>(prefix + "layer_norm.weight");
+      w.layer_norm.bias = tensors.template vector<T>(prefix + "layer_norm.bias");
+      w.layer_norm.eps = layer_norm_eps;
+    }
+    return with_tensor_prefix(tensors, prefix, [&] { return CollabHead(std::move(w), options); });
+  }
+
   Index num_heads() const { return opt_.num_heads; }
   Index shared_dim() const { return w_.q.rows(); }
   Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }
@@ -124,74 +156,63 @@ class CollabHead {
   std::pair<Index, Index> head_span(Index h) const { return span_.at(static_cast<std::size_t>(h)); }
   const CollabHeadWeights<T>& weights() const { return w_; }
   const CollabHeadOptions& options() const { return opt_; }
-  /// Masking, block size and threads may change between calls; forward()
-  /// checks them again.
-  CollabHeadOptions& options() { return opt_; }
+  /// Change masking, block size, threads (or the scale) between calls;
+  /// validated like the constructor, and left unchanged if invalid. The
+  /// head count is fixed by the mixing matrix.
+  void set_options(const CollabHeadOptions& options) {
+    validate(w_, options);
+    opt_ = options;
+  }
 
   /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the
   /// attention weights are written there as [B, H, T, S].
   void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    validate(w_, opt_);
     check_input(kName, in, embed_dim(), key_dim());
     const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
     check_output(kName, out, B, T_, out_dim());
     const Index H = num_heads(), R = shared_dim(), dv = v_head_dim();
-    const int threads = opt_.threads;
 
-    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, R);
     MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, R);
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, H * dv);
-    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
-    MatrixMap<T> mix = ws.shared_matrix(kMixSlot, H, R);
-    MatrixMap<T> cb = ws.shared_matrix(kBiasSlot, has_content_bias() ? H : 0, B * S);
+    MatrixMap<T> cb = ws.shared_matrix(kBiasSlot, B * S, has_content_bias() ? H : 0);
     const auto xk = in.keys().rows();
-    project_rows<T>(Unbiased{w_.q}, in.query.rows(), q, threads);
-    project_rows<T>(Unbiased{w_.k}, xk, k, threads);
-    project_rows<T>(w_.v, xk, v, threads);
-    const T s = scale();
-    mix = s * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
-    if (has_content_bias()) {
-      // cb is kept transposed, [H, B·S], so that a head's bias over a key
-      // block is one contiguous row segment. Fixed row chunks keep the GEMM
-      // shapes, and so the bits, independent of the thread count.
-      constexpr Index chunk = 256;
-      const Index n = B * S;
-      parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
-        const Index r0 = c * chunk, rows = std::min(chunk, n - r0);
-        cb.middleCols(r0, rows).noalias() = w_.content_bias * xk.middleRows(r0, rows).transpose();
-        cb.middleCols(r0, rows) *= s;
-      });
+    project_rows<T>(Unbiased{w_.k}, xk, k, opt_.threads);
+    project_rows<T>(w_.v, xk, v, opt_.threads);
+    project_content_bias(xk, cb);
+    reserve_scratch(ws, std::min(opt_.block_rows, T_), S);
+    attend(in.query, k, v, cb, S, S, mask(), in.key_padding, out, ws, probs);
+  }
+
+  /// Incremental decoding, with the contract of Mha::step. Attends n new
+  /// positions `x` [B, n, D] to every position in `cache` and to
+  /// themselves, and appends what later positions need of them to the
+  /// cache: shared keys [R], values [H·Dv] and the scaled content bias [H].
+  /// Alignment is bottom-right causal whatever options().causal says: new
+  /// position k sees cached positions 0 … size + k. `out` must be
+  /// [B, n, out_dim]; with `probs`, the weights are written as
+  /// [B, H, n, size + n]. The LayerNorm residual is `x`. Self-attention
+  /// layers only (key width == D). Allocates nothing once `ws` and `cache`
+  /// are sized; throws cache_full_error (and changes nothing) when n
+  /// positions do not fit.
+  void step(ConstBatchView<T> x, SequenceCache<T>& cache, BatchView<T> out, Workspace<T>& ws,
+            Tensor<T>* probs = nullptr) const {
+    check_input(kName, AttentionInput<T>{x, {}, {}}, embed_dim(), key_dim());
+    const Index B = x.batch(), n = x.length(), past = cache.size(), H = num_heads();
+    check_shape(kName, "cache batch", {B}, {cache.batch()});
+    check_output(kName, out, B, n, out_dim());
+    cache.bind(kName, {shared_dim(), H * v_head_dim(), has_content_bias() ? H : 0});
+    cache.check_room(kName, n);
+    reserve_scratch(ws, std::min(opt_.block_rows, n), cache.capacity());
+    for (Index b = 0; b < B; ++b) {
+      const auto xb = x.item(b);
+      Unbiased{w_.k}.apply(xb, cache.stream(0, b).middleRows(past, n));
+      w_.v.apply(xb, cache.stream(1, b).middleRows(past, n));
+      project_content_bias(xb, MatrixMap<T>(cache.stream(2, b).data() + past * cache.stream(2, b).cols(), n,
+                                            cache.stream(2, b).cols()));
     }
-
-    // Every worker's mixed-query buffer at full size before the parallel
-    // region: no allocation, and no slot list growing, inside it.
-    Index widest = 0;
-    for (const auto& sp : span_) widest = std::max(widest, sp.second);
-    const Index block = std::min(opt_.block_rows, T_);
-    ws.reserve_workers(std::max(1, threads));
-    for (int w = 0; w < std::max(1, threads); ++w) ws.local(w, kMixedQuerySlot, block * widest);
-
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = S;
-    run.mask = mask();
-    run.padding = in.key_padding;
-    run.block_rows = opt_.block_rows;
-    run.threads = threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, H, T_, S});
-      run.probs = probs->data();
-    }
-    run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, S, H, dv, has_content_bias()}, run, ws);
-
-    auto y = out.rows();
-    if (w_.o.empty())
-      y = ctx;
-    else
-      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), y, threads);
-    if (has_layer_norm()) add_and_normalize(in.query.rows(), y, threads);
+    attend(x, cache.stream(0), cache.stream(1), cache.stream(2), past + n, cache.capacity(),
+           PositionMask{true, past, 0}, {}, out, ws, probs);
+    cache.advance(n);
   }
 
   /// Allocating form: returns [B, T, out_dim].
@@ -242,7 +263,64 @@ class CollabHead {
 
  private:
   static constexpr std::size_t kMixSlot = slot::variant, kBiasSlot = slot::variant + 1;
-  static constexpr std::size_t kMixedQuerySlot = slot::local_variant;
+  static constexpr std::size_t kMixedQuerySlot = slot::local_variant, kHeadBiasSlot = slot::local_variant + 1;
+
+  // Project the queries and run the pipeline over shared keys `k`, values
+  // `v` and scaled content bias `cb` (batch item b's S rows start at row
+  // b · key_stride), then the output projection and LayerNorm.
+  void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, MatrixMap<T> cb, Index S, Index key_stride,
+              const PositionMask& mask, const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws,
+              Tensor<T>* probs) const {
+    const Index B = x.batch(), T_ = x.length(), H = num_heads(), R = shared_dim(), dv = v_head_dim();
+    MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, R);
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
+    MatrixMap<T> mix = ws.shared_matrix(kMixSlot, H, R);
+    project_rows<T>(Unbiased{w_.q}, x.rows(), q, opt_.threads);
+    mix = scale() * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
+
+    DenseRun<T> run;
+    run.batch = B;
+    run.queries = T_;
+    run.keys = S;
+    run.mask = mask;
+    run.padding = padding;
+    run.block_rows = opt_.block_rows;
+    run.threads = opt_.threads;
+    run.context = ctx.data();
+    if (probs) {
+      probs->resize({B, H, T_, S});
+      run.probs = probs->data();
+    }
+    run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run, ws);
+
+    auto y = out.rows();
+    if (w_.o.empty())
+      y = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), y, opt_.threads);
+    if (has_layer_norm()) add_and_normalize(x.rows(), y, opt_.threads);
+  }
+
+  // cb = scale · xk · content_biasᵀ, one row of H per key position.
+  void project_content_bias(const ConstMatrixMap<T>& xk, MatrixMap<T> cb) const {
+    if (!has_content_bias()) return;
+    project_rows<T>(Unbiased{w_.content_bias}, xk, cb, opt_.threads);
+    cb *= scale();
+  }
+
+  // Every worker's scratch at full size before the parallel region, for
+  // tiles of up to `rows` queries over up to `keys` keys: no allocation
+  // inside it, and none in decoding steps over a sized cache.
+  void reserve_scratch(Workspace<T>& ws, Index rows, Index keys) const {
+    Index widest = 0;
+    for (const auto& sp : span_) widest = std::max(widest, sp.second);
+    const int workers = std::max(1, opt_.threads);
+    reserve_dense_tiles(ws, workers, num_heads(), false, rows, keys);
+    for (int w = 0; w < workers; ++w) {
+      ws.local(w, kMixedQuerySlot, rows * widest);
+      if (has_content_bias()) ws.local(w, kHeadBiasSlot, keys);
+    }
+  }
 
   // A bias-free projection x · weightᵀ for project_rows.
   struct Unbiased {
@@ -258,7 +336,7 @@ class CollabHead {
   struct Policy {
     MatrixMap<T> q, k, v, mix, cb;
     const std::pair<Index, Index>* span;
-    Index T_, S, H, dv;
+    Index T_, key_stride, H, dv;
     bool content_bias;
 
     Index score_heads() const { return H; }
@@ -275,13 +353,19 @@ class CollabHead {
         MatrixMap<T> mixed(ws.local(worker, kMixedQuerySlot, rows * width), rows, width);
         mixed.array() = q.block(b * T_ + q0, first, rows, width).array().rowwise() *
                         mix.row(h).segment(first, width).array();
-        out.noalias() = mixed * k.block(b * S + k0, first, cols, width).transpose();
+        out.noalias() = mixed * k.block(b * key_stride + k0, first, cols, width).transpose();
       } else {
         out.setZero();
       }
-      if (content_bias) out.rowwise() += cb.row(h).segment(b * S + k0, cols);
+      if (content_bias) {  // head h's bias is a strided column of cb: gather it once per tile
+        Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> bias(ws.local(worker, kHeadBiasSlot, cols), cols);
+        bias = cb.block(b * key_stride + k0, h, cols, 1).transpose();
+        out.rowwise() += bias;
+      }
     }
-    auto values(Index b, Index h, Index k0, Index count) const { return v.block(b * S + k0, h * dv, count, dv); }
+    auto values(Index b, Index h, Index k0, Index count) const {
+      return v.block(b * key_stride + k0, h * dv, count, dv);
+    }
     template <class... A>
     void pre_mix(A&&...) const {}
     template <class... A>
@@ -332,11 +416,7 @@ class CollabHead {
       detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, Dkv] with num_heads = " + std::to_string(H),
                           detail::format_shape(shape_of(w.v.weight)));
     w.v.check(kName, "v", hdv, Dkv);
-    if (!w.o.empty())
-      w.o.check(kName, "o", w.o.out_features(), hdv);
-    else if (w.o.has_bias())  // a bias without its weight is a broken checkpoint, not "no projection"
-      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
-                          detail::format_shape(shape_of(w.o.weight)));
+    w.o.check_optional(kName, "o", hdv);
     const auto& ln = w.layer_norm;
     if (!ln.empty()) {
       const Index out = w.o.empty() ? hdv : w.o.out_features();

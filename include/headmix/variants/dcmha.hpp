@@ -114,6 +114,27 @@ class Dcmha {
     prepare();
   }
 
+  /// Build from named tensors (an io::TensorFile, or anything with its
+  /// contains/matrix/vector/get accessors), with the names of
+  /// conformance/dcmha.md after `prefix`: `q.weight` … `o.bias`, `dc.dw1`,
+  /// `dc.qkw`, `dc.dd`, and `dc.pre_w` / `dc.post_w` with static_w. Biases
+  /// and `o` are optional. Stored F16/BF16/F32/F64 are converted to T.
+  template <class Source>
+  static Dcmha from_tensors(const Source& tensors, const std::string& prefix, const DcmhaOptions& options) {
+    DcmhaWeights<T> w;
+    w.q = read_linear<T>(tensors, prefix + "q");
+    w.k = read_linear<T>(tensors, prefix + "k");
+    w.v = read_linear<T>(tensors, prefix + "v");
+    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
+      w.o = read_linear<T>(tensors, prefix + "o");
+    w.dw1 = tensors.template get<T>(prefix + "dc.dw1");
+    w.qkw = tensors.template get<T>(prefix + "dc.qkw");
+    w.dd = tensors.template get<T>(prefix + "dc.dd");
+    if (tensors.contains(prefix + "dc.pre_w")) w.pre_w = tensors.template get<T>(prefix + "dc.pre_w");
+    if (tensors.contains(prefix + "dc.post_w")) w.post_w = tensors.template get<T>(prefix + "dc.post_w");
+    return with_tensor_prefix(tensors, prefix, [&] { return Dcmha(std::move(w), options); });
+  }
+
   Index num_heads() const { return opt_.num_heads; }
   Index groups() const { return opt_.groups; }
   Index group_heads() const { return opt_.num_heads / opt_.groups; }  ///< M
@@ -709,11 +730,7 @@ class Dcmha {
       detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, D] with num_heads = " + std::to_string(H),
                           detail::format_shape(shape_of(w_.v.weight)));
     w_.v.check(kName, "v", hdv, D);
-    if (!w_.o.empty())
-      w_.o.check(kName, "o", w_.o.out_features(), hdv);
-    else if (w_.o.has_bias())
-      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
-                          detail::format_shape(shape_of(w_.o.weight)));
+    w_.o.check_optional(kName, "o", hdv);
 
     const auto& dw1 = w_.dw1.shape();
     if (dw1.size() != 4 || dw1[3] < 1)

@@ -95,7 +95,7 @@ class Lsh {
  public:
   static constexpr const char* kName = "lsh";
 
-  Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) { validate(); }
+  Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) { validate(opt_); }
 
   /// Build from named tensors (an io::TensorFile, or anything with its
   /// contains/matrix/vector/get accessors), as in conformance/lsh.md:
@@ -111,7 +111,7 @@ class Lsh {
     if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
       w.o = read_linear<T>(tensors, prefix + "o");
     if (tensors.contains(prefix + "rotations")) w.rotations = tensors.template get<T>(prefix + "rotations");
-    return Lsh(std::move(w), options);
+    return with_tensor_prefix(tensors, prefix, [&] { return Lsh(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }
@@ -121,12 +121,15 @@ class Lsh {
   Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
   const LshWeights<T>& weights() const { return w_; }
   const LshOptions& options() const { return opt_; }
-  LshOptions& options() { return opt_; }  ///< checked again by every call
+  /// Change options between calls (masking, rounds, seed, threads);
+  /// validated like the constructor, and left unchanged if invalid.
+  void set_options(const LshOptions& options) {
+    validate(options);
+    opt_ = options;
+  }
 
   /// Lengths, buckets and chunks of a call on sequences of length T.
-  /// Throws shape_error if options() were made invalid.
   LshLayout layout(Index T_) const {
-    validate();
     LshLayout L;
     const Index bs = opt_.bucket_size;
     L.length = T_;
@@ -235,7 +238,6 @@ class Lsh {
 
   // The checks of a call, before any work.
   LshLayout check_call(const AttentionInput<T>& in) const {
-    validate();
     check_input(kName, in, embed_dim(), embed_dim());
     if (!in.self_attention())
       detail::throw_shape(kName, "input.key", "none (LSH attention is self-attention with a shared query/key)",
@@ -300,14 +302,14 @@ class Lsh {
     return job;
   }
 
-  void validate() const {
-    check_value(opt_.num_heads >= 1, kName, "num_heads", ">= 1", opt_.num_heads);
-    check_value(opt_.bucket_size >= 1, kName, "bucket_size", ">= 1", opt_.bucket_size);
-    check_value(opt_.n_hashes >= 1, kName, "n_hashes", ">= 1", opt_.n_hashes);
-    check_value(opt_.n_buckets == 0 || (opt_.n_buckets >= 2 && opt_.n_buckets % 2 == 0), kName, "n_buckets",
-                "0 (padded length / bucket_size) or an even number >= 2", opt_.n_buckets);
-    check_value(opt_.threads >= 1, kName, "threads", ">= 1", opt_.threads);
-    const Index H = opt_.num_heads, hdk = w_.qk.out_features(), hdv = w_.v.out_features();
+  void validate(const LshOptions& opt) const {
+    check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
+    check_value(opt.bucket_size >= 1, kName, "bucket_size", ">= 1", opt.bucket_size);
+    check_value(opt.n_hashes >= 1, kName, "n_hashes", ">= 1", opt.n_hashes);
+    check_value(opt.n_buckets == 0 || (opt.n_buckets >= 2 && opt.n_buckets % 2 == 0), kName, "n_buckets",
+                "0 (padded length / bucket_size) or an even number >= 2", opt.n_buckets);
+    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
+    const Index H = opt.num_heads, hdk = w_.qk.out_features(), hdv = w_.v.out_features();
     if (hdk == 0 || hdk % H != 0)
       detail::throw_shape(kName, "qk.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),
                           detail::format_shape(shape_of(w_.qk.weight)));
@@ -317,13 +319,10 @@ class Lsh {
       detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, D] with num_heads = " + std::to_string(H),
                           detail::format_shape(shape_of(w_.v.weight)));
     w_.v.check(kName, "v", hdv, embed_dim());
-    if (w_.o.empty() && w_.o.has_bias())
-      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
-                          detail::format_shape(shape_of(w_.o.weight)));
-    if (!w_.o.empty()) w_.o.check(kName, "o", w_.o.out_features(), hdv);
+    w_.o.check_optional(kName, "o", hdv);
     if (!w_.rotations.shape().empty()) {  // what is known before the call's B and T
-      const Index half = opt_.n_buckets > 0 ? opt_.n_buckets / 2 : -1;
-      check_shape(kName, "rotations", {opt_.rotations_per_head ? -1 : 1, head_dim(), opt_.n_hashes, half},
+      const Index half = opt.n_buckets > 0 ? opt.n_buckets / 2 : -1;
+      check_shape(kName, "rotations", {opt.rotations_per_head ? -1 : 1, hdk / H, opt.n_hashes, half},
                   w_.rotations.shape());
     }
   }

@@ -58,8 +58,8 @@ class Mha {
   static Mha from_tensors(const Source& tensors, const std::string& prefix, const MhaOptions& options) {
     MhaWeights<T> w{read_linear<T>(tensors, prefix + "q"), read_linear<T>(tensors, prefix + "k"),
                     read_linear<T>(tensors, prefix + "v"), {}};
-    if (tensors.contains(prefix + "o.weight")) w.o = read_linear<T>(tensors, prefix + "o");
-    return Mha(std::move(w), options);
+    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias")) w.o = read_linear<T>(tensors, prefix + "o");
+    return with_tensor_prefix(tensors, prefix, [&] { return Mha(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }
@@ -221,11 +221,7 @@ class Mha {
     check_value(Dkv >= 1, kName, "k.weight columns (Dkv)", ">= 1", Dkv);
     w.k.check(kName, "k", hdk, Dkv);
     w.v.check(kName, "v", hdv, Dkv);
-    if (!w.o.empty())
-      w.o.check(kName, "o", w.o.out_features(), hdv);
-    else if (w.o.has_bias())  // a bias without its weight is a broken checkpoint, not "no projection"
-      detail::throw_shape(kName, "o.weight", "[out_dim, " + std::to_string(hdv) + "] (o.bias is given)",
-                          detail::format_shape(shape_of(w.o.weight)));
+    w.o.check_optional(kName, "o", hdv);
   }
 
   MhaWeights<T> w_;

@@ -96,12 +96,12 @@ class TalkingHeads {
     w.q = read_linear<T>(tensors, prefix + "q");
     w.k = read_linear<T>(tensors, prefix + "k");
     w.v = read_linear<T>(tensors, prefix + "v");
-    if (tensors.contains(prefix + "o.weight")) w.o = read_linear<T>(tensors, prefix + "o");
+    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias")) w.o = read_linear<T>(tensors, prefix + "o");
     if (tensors.contains(prefix + "pre_softmax.weight"))
       w.pre_softmax = tensors.template matrix<T>(prefix + "pre_softmax.weight");
     if (tensors.contains(prefix + "post_softmax.weight"))
       w.post_softmax = tensors.template matrix<T>(prefix + "post_softmax.weight");
-    return TalkingHeads(std::move(w), options);
+    return with_tensor_prefix(tensors, prefix, [&] { return TalkingHeads(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }
@@ -322,12 +322,7 @@ class TalkingHeads {
     check_value(Dkv >= 1, kName, "k.weight columns (Dkv)", ">= 1", Dkv);
     w.k.check(kName, "k", hdk, Dkv);
     w.v.check(kName, "v", hdv, Dkv);
-    if (!w.o.empty())
-      w.o.check(kName, "o", w.o.out_features(), hdv);
-    else if (w.o.has_bias())  // a bias alone is a weight set that lost its o.weight, not "no projection"
-      detail::throw_shape(kName, "o.weight", "[" + std::to_string(w.o.bias.size()) + ", " + std::to_string(hdv) +
-                                                 "] (o.bias is given)",
-                          detail::format_shape(shape_of(w.o.weight)));
+    w.o.check_optional(kName, "o", hdv);
     check_mix("pre_softmax.weight", w.pre_softmax, h, hk, "key_heads", "num_heads");
     check_mix("post_softmax.weight", w.post_softmax, hv, h, "num_heads", "value_heads");
   }

@@ -175,7 +175,11 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   T* kscale = ws.local(worker, s_kscale, Tp);
   const T inv_sqrt_dh = T(1) / std::sqrt(T(dh));
   auto key_scale = [&](const T* row) {
-    const T norm = Eigen::Map<const Vector<T>>(row, dh).norm();
+    const Eigen::Map<const Vector<T>> qk(row, dh);
+    T norm = qk.norm();
+    // ‖qk‖² overflows (or underflows) long before ‖qk‖ does: rescale then.
+    if (!(norm < std::numeric_limits<T>::max()) || norm < std::sqrt(std::numeric_limits<T>::min()))
+      norm = qk.stableNorm();
     return inv_sqrt_dh / std::max(norm, T(1e-12));
   };
   for (Index p = 0; p < T_; ++p) {
@@ -278,6 +282,11 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   auto softmax = [&](Eigen::Map<Matrix<T>> in, Eigen::Map<Matrix<T>> out, T* row_max, T* row_sum) {
     for (Index q = 0; q < bs; ++q) {
       const T m = in.row(q).maxCoeff();
+      if (m != m) {  // a NaN logit: poison the row and, through step 8, its position
+        out.row(q).setConstant(m);
+        row_max[q] = m, row_sum[q] = m;
+        continue;
+      }
       if (!(m > neg)) {  // no admissible key: cannot happen (6d), but never NaN
         out.row(q).setZero();
         row_max[q] = neg, row_sum[q] = 0;
