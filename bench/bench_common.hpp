@@ -130,8 +130,16 @@ inline Lsh<float> make_lsh(const LayerShape& s) {
 }
 
 /// Heap allocations (malloc, operator new, Eigen's aligned buffers) made by
-/// this process so far; bench_main.cpp counts them.
+/// this process so far, or -1 where bench_main.cpp cannot count them.
 long heap_allocations();
+
+/// Report the allocations made since `before` (a heap_allocations() value)
+/// as "allocs" per iteration, when they are counted.
+inline void report_allocations(benchmark::State& state, long before) {
+  if (before < 0) return;
+  state.counters["allocs"] =
+      benchmark::Counter(double(heap_allocations() - before), benchmark::Counter::kAvgIterations);
+}
 
 /// Counters every layer benchmark reports: analytic FLOPs per call, the
 /// rate they give, and the scratch memory the layer kept.
@@ -171,9 +179,8 @@ void time_self_attention(benchmark::State& state, const Layer& layer, Index T, I
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  const long allocations = heap_allocations() - before;
+  report_allocations(state, before);
   report(state, as_flop_count(layer.flops(1, T, T)), ws.bytes());
-  state.counters["allocs"] = benchmark::Counter(double(allocations), benchmark::Counter::kAvgIterations);
 }
 
 }  // namespace headmix::bench

@@ -35,8 +35,7 @@ void step_one_token(benchmark::State& state, const Layer& layer) {
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
-  state.counters["allocs"] =
-      benchmark::Counter(double(bench::heap_allocations() - before), benchmark::Counter::kAvgIterations);
+  bench::report_allocations(state, before);
   state.counters["scratch_MiB"] = benchmark::Counter(double(ws.bytes()) / (1 << 20));
 }
 

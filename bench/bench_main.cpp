@@ -14,12 +14,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -27,12 +27,24 @@
 // glibc's allocator under a counting front: every malloc-family call of the
 // process (operator new, Eigen's aligned buffers, std::thread) goes through
 // these, so "allocs" in the counters is the true number of heap
-// allocations per call. Other C libraries: not counted (reported as 0).
+// allocations per call. Not with other C libraries, and not under a
+// sanitizer (which owns malloc): then there is no "allocs" counter.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define HEADMIX_BENCH_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+#define HEADMIX_BENCH_SANITIZED 1
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(HEADMIX_BENCH_SANITIZED)
+#define HEADMIX_BENCH_COUNTS_ALLOCATIONS 1
+#endif
+
 namespace {
 std::atomic<long> g_heap_allocations{0};
 }
 
-#if defined(__GLIBC__)
+#ifdef HEADMIX_BENCH_COUNTS_ALLOCATIONS
 extern "C" {
 void* __libc_malloc(std::size_t);
 void* __libc_calloc(std::size_t, std::size_t);
@@ -67,7 +79,13 @@ int posix_memalign(void** out, std::size_t align, std::size_t n) {
 #endif
 
 namespace headmix::bench {
-long heap_allocations() { return g_heap_allocations.load(std::memory_order_relaxed); }
+long heap_allocations() {
+#ifdef HEADMIX_BENCH_COUNTS_ALLOCATIONS
+  return g_heap_allocations.load(std::memory_order_relaxed);
+#else
+  return -1;
+#endif
+}
 }  // namespace headmix::bench
 
 // ---- closing tables -------------------------------------------------------------
@@ -80,11 +98,27 @@ struct Result {
   double seconds, flops, gflops;
 };
 
-// The value of `name:<number>` in an argument string, or -1.
+// The value of `name:<number>` in an argument string "a:1/b:2", or -1.
 long arg_value(const std::string& args, const std::string& name) {
-  std::smatch m;
-  if (std::regex_search(args, m, std::regex("(^|/)" + name + ":(\\d+)"))) return std::stol(m[2]);
+  const std::string key = name + ":";
+  for (std::size_t at = 0; at < args.size(); at = args.find('/', at) + 1) {
+    if (args.compare(at, key.size(), key) == 0) return std::strtol(args.c_str() + at + key.size(), nullptr, 10);
+    if (args.find('/', at) == std::string::npos) break;
+  }
   return -1;
+}
+
+// The shape arguments of a run's name: without "/iterations:N" and
+// "/real_time", which say how it was timed.
+std::string shape_args(const std::string& args) {
+  std::string out;
+  for (std::size_t at = 0; at <= args.size();) {
+    const std::size_t end = std::min(args.find('/', at), args.size());
+    const std::string part = args.substr(at, end - at);
+    if (part != "real_time" && part.rfind("iterations:", 0) != 0) out += (out.empty() ? "" : "/") + part;
+    at = end + 1;
+  }
+  return out;
 }
 
 double counter(const benchmark::BenchmarkReporter::Run& r, const char* name) {
@@ -102,8 +136,9 @@ class SuiteReporter : public benchmark::ConsoleReporter {
       const std::string name = r.benchmark_name();
       const auto slash = name.find('/');
       if (slash == std::string::npos) continue;
-      results_.push_back({name.substr(0, slash), name.substr(slash + 1), r.GetAdjustedRealTime(),
-                          counter(r, "FLOPs"), counter(r, "GFLOP/s")});
+      const double seconds = r.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(r.time_unit);
+      results_.push_back({name.substr(0, slash), shape_args(name.substr(slash + 1)), seconds, counter(r, "FLOPs"),
+                          counter(r, "GFLOP/s")});
     }
     ConsoleReporter::ReportRuns(runs);
   }
@@ -133,12 +168,12 @@ class SuiteReporter : public benchmark::ConsoleReporter {
       if (!header) {
         std::printf("\nTime relative to MHA at the same shape (same run); FLOP ratio = analytic FLOPs / MHA's,\n"
                     "time/FLOP = the time ratio over the FLOP ratio (1.00: as efficient as MHA per FLOP):\n");
-        std::printf("  %-16s %-42s %8s %10s %10s\n", "variant", "shape", "time", "FLOP ratio", "time/FLOP");
+        std::printf("  %-18s %-34s %8s %10s %10s\n", "variant", "shape", "time", "FLOP ratio", "time/FLOP");
         header = true;
       }
       const double time = r.seconds / mha->seconds;
       const double flops = mha->flops > 0 ? r.flops / mha->flops : 0;
-      std::printf("  %-16s %-42s %7.2fx %9.3fx %9.2fx\n", r.family.c_str(), r.args.c_str(), time, flops,
+      std::printf("  %-18s %-34s %7.2fx %9.3fx %9.2fx\n", r.family.c_str(), r.args.c_str(), time, flops,
                   flops > 0 ? time / flops : 0.0);
     }
   }
@@ -155,7 +190,7 @@ class SuiteReporter : public benchmark::ConsoleReporter {
         std::printf("\n2-thread speedup (time at threads:1 / time at threads:2):\n");
         header = true;
       }
-      std::printf("  %-16s %-42s %6.2fx\n", r.family.c_str(), one.substr(0, one.find("/threads")).c_str(),
+      std::printf("  %-18s %-34s %6.2fx\n", r.family.c_str(), one.substr(0, one.find("/threads")).c_str(),
                   single->seconds / r.seconds);
     }
   }
@@ -171,7 +206,7 @@ class SuiteReporter : public benchmark::ConsoleReporter {
         std::printf("\nMHA GFLOP/s against the GEMM yardstick ([T, D] x [D, 3D]) at the same T and D, 1 thread:\n");
         header = true;
       }
-      std::printf("  %-42s %7.1f / %7.1f GFLOP/s = %5.1f%%\n", r.args.c_str(), r.gflops, gemm->gflops,
+      std::printf("  %-34s %7.1f / %7.1f GFLOP/s = %5.1f%%\n", r.args.c_str(), r.gflops, gemm->gflops,
                   100 * r.gflops / gemm->gflops);
     }
   }
@@ -186,7 +221,7 @@ class SuiteReporter : public benchmark::ConsoleReporter {
         std::printf("\nheadmix MHA time relative to torch::nn::MultiheadAttention (below 1: headmix is faster):\n");
         header = true;
       }
-      std::printf("  %-42s %6.2fx\n", r.args.c_str(), r.seconds / torch->seconds);
+      std::printf("  %-34s %6.2fx\n", r.args.c_str(), r.seconds / torch->seconds);
     }
   }
 
@@ -212,15 +247,27 @@ class SuiteReporter : public benchmark::ConsoleReporter {
 
 }  // namespace
 
+#ifdef EIGEN_USE_BLAS
+extern "C" void openblas_set_num_threads(int);
+#endif
+
 int main(int argc, char** argv) {
 #ifdef EIGEN_USE_BLAS
-  benchmark::AddCustomContext("gemm_backend", "BLAS through EIGEN_USE_BLAS (" HEADMIX_BLAS_NAME ")");
+  // headmix runs its own workers (options.threads); OpenBLAS's threads on
+  // top of them oversubscribe the cores (2 threads ran 4x slower than 1).
+  openblas_set_num_threads(1);
+  benchmark::AddCustomContext("gemm_backend",
+                              "BLAS through EIGEN_USE_BLAS (" HEADMIX_BLAS_NAME "), OpenBLAS threads: 1");
 #else
   benchmark::AddCustomContext("gemm_backend", "Eigen's built-in GEMM (no BLAS)");
 #endif
-  // OpenBLAS (EIGEN_USE_BLAS, and PyTorch's baseline) picks its kernel from this.
+  // OpenBLAS (EIGEN_USE_BLAS, and PyTorch's baseline) picks its kernel from
+  // OPENBLAS_CORETYPE, and its thread count from OPENBLAS_NUM_THREADS: torch's
+  // "threads:1" still runs its GEMMs on every core unless that is 1.
   const char* core = std::getenv("OPENBLAS_CORETYPE");
   benchmark::AddCustomContext("openblas_coretype", core ? core : "(unset: OpenBLAS detects the CPU)");
+  const char* blas_threads = std::getenv("OPENBLAS_NUM_THREADS");
+  benchmark::AddCustomContext("openblas_num_threads", blas_threads ? blas_threads : "(unset: one per core)");
   benchmark::AddCustomContext("eigen_simd", Eigen::SimdInstructionSetsInUse());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

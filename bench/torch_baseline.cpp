@@ -1,7 +1,9 @@
 // PyTorch baseline: torch::nn::MultiheadAttention (libtorch, float, eval,
 // InferenceMode) at the suite's shared shapes and thread counts, so that
 // headmix's MHA can be read against it in the same run (see the
-// "relative to MHA" table at the end of the output).
+// "relative to MHA" table at the end of the output). at::set_num_threads
+// bounds torch's own workers, not OpenBLAS's: for a one-core torch run
+// OPENBLAS_NUM_THREADS=1 must be set as well (the context header shows it).
 #include "bench_common.hpp"
 
 #include <torch/torch.h>

@@ -1,12 +1,13 @@
 // A small causal language-model decoder with greedy generation over each
 // layer's KV cache; the attention variant is chosen on the command line.
 //
-//   causal_decoder [--small] [--variant all|mha|talking_heads|dcmha] [--threads N]
+//   causal_decoder [--small] [--variant all|mha|talking_heads|collab|dcmha] [--threads N]
 //
-// Supported variants: mha, talking_heads and dcmha, whose step() appends to
-// a SequenceCache (per-head keys and values; for DCMHA also the key-side
-// dynamic weights). The default, `all`, runs the decoder once with each.
-// CollabHead has no incremental step yet, so `collab` is refused.
+// Every dense variant's step() appends to a SequenceCache what later
+// positions need: per-head keys and values (MHA, Talking-Heads), shared
+// keys, values and content bias (CollabHead), and for DCMHA also the
+// key-side dynamic weights. The default, `all`, runs the decoder once with
+// each.
 //
 // Model (pre-LayerNorm, weights random):
 //   x   = embed[token] + position[p]
@@ -89,6 +90,25 @@ struct TalkingHeadsKind {
     w.pre_softmax = Mat::Identity(H, H) + random_matrix(H, H, 0.3f, rng);   // [h, h_k]
     w.post_softmax = Mat::Identity(H, H) + random_matrix(H, H, 0.3f, rng);  // [h_v, h]
     headmix::TalkingHeadsOptions opt;
+    opt.num_heads = H;
+    opt.causal = true;
+    opt.threads = threads;
+    return Layer(std::move(w), opt);
+  }
+};
+
+struct CollabKind {
+  using Layer = headmix::CollabHead<float>;
+  static Layer make(Index D, Index H, int threads, std::mt19937& rng) {
+    const Index R = D / 2;  // half the concatenated heads' width, dense mixing
+    headmix::CollabHeadWeights<float> w;
+    w.q = random_matrix(R, D, 1.0f / std::sqrt(float(D)), rng);
+    w.k = random_matrix(R, D, 1.0f / std::sqrt(float(D)), rng);
+    w.mixing = random_matrix(H, R, 1.0f, rng);
+    w.content_bias = random_matrix(H, D, 1.0f / std::sqrt(float(D)), rng);
+    w.v = random_linear(D, D, rng);
+    w.o = random_linear(D, D, rng);
+    headmix::CollabHeadOptions opt;
     opt.num_heads = H;
     opt.causal = true;
     opt.threads = threads;
@@ -343,7 +363,7 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
       threads = std::max(1, std::atoi(argv[++i]));
     } else {
-      std::cerr << "usage: causal_decoder [--small] [--variant all|mha|talking_heads|dcmha] [--threads N]\n";
+      std::cerr << "usage: causal_decoder [--small] [--variant all|mha|talking_heads|collab|dcmha] [--threads N]\n";
       return 2;
     }
   }
@@ -353,11 +373,13 @@ int main(int argc, char** argv) {
   try {
     if (variant == "mha") return run<MhaKind>("mha", config, prompt, generate);
     if (variant == "talking_heads") return run<TalkingHeadsKind>("talking_heads", config, prompt, generate);
+    if (variant == "collab") return run<CollabKind>("collab", config, prompt, generate);
     if (variant == "dcmha") return run<DcmhaKind>("dcmha", config, prompt, generate);
     if (variant == "all") {
       int failed = 0;
       failed += run<MhaKind>("mha", config, prompt, generate) != 0;
       failed += run<TalkingHeadsKind>("talking_heads", config, prompt, generate) != 0;
+      failed += run<CollabKind>("collab", config, prompt, generate) != 0;
       failed += run<DcmhaKind>("dcmha", config, prompt, generate) != 0;
       std::cout << (failed ? "SOME CHECKS FAILED\n" : "all checks passed\n");
       return failed ? 1 : 0;
@@ -367,6 +389,6 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::cerr << "unknown or unsupported variant '" << variant
-            << "': choose mha, talking_heads or dcmha (CollabHead has no incremental step)\n";
+            << "': choose all, mha, talking_heads, collab or dcmha\n";
   return 2;
 }

@@ -14,10 +14,9 @@
 //   load_safetensors ../shared/conformance/talking_heads/xt_self_causal.safetensors
 //
 // runs a case: the variant and its options come from the file's metadata
-// ("variant", "config"), or from --variant / --heads / --causal. MHA,
-// Talking-Heads and LSH are built with their from_tensors(); CollabHead and
-// DCMHA (no from_tensors yet) by reading their tensors one by one into the
-// weights structs, which shows the same mapping.
+// ("variant", "config"), or from --variant / --heads / --causal. Every
+// variant is built with its from_tensors(): the tensor names of
+// conformance/<variant>.md after the prefix.
 //
 // With --small it first writes a small random MHA layer, as a checkpoint
 // might hold it (weights in BF16 and F16 under the prefix
@@ -191,38 +190,16 @@ Layer<T> build(const std::string& variant, const io::TensorFile& f, const std::s
                           (layer.weights().rotations.size() ? ", rotations from the file" : ", seeded rotations");
     return wrap<T>(std::move(layer), d);
   }
-  if (variant == "collab") {  // names of conformance/collab.md
-    headmix::CollabHeadWeights<T> w;
-    w.q = f.template matrix<T>(p + "q.weight");
-    w.k = f.template matrix<T>(p + "k.weight");
-    w.mixing = f.template matrix<T>(p + "mixing");
-    if (f.contains(p + "content_bias.weight")) w.content_bias = f.template matrix<T>(p + "content_bias.weight");
-    w.v = headmix::read_linear<T>(f, p + "v");
-    if (f.contains(p + "o.weight")) w.o = headmix::read_linear<T>(f, p + "o");
-    if (f.contains(p + "layer_norm.weight")) {
-      w.layer_norm.weight = f.template vector<T>(p + "layer_norm.weight");
-      w.layer_norm.bias = f.template vector<T>(p + "layer_norm.bias");
-      w.layer_norm.eps = config.value("layer_norm_eps", 1e-5);
-    }
+  if (variant == "collab") {
     headmix::CollabHeadOptions opt;
     opt.num_heads = H;
     opt.causal = causal;
     opt.scale = scale_of(config);
-    headmix::CollabHead<T> layer(std::move(w), opt);
+    auto layer = headmix::CollabHead<T>::from_tensors(f, p, opt, config.value("layer_norm_eps", 1e-5));
     const std::string d = "CollabHead, H=" + std::to_string(H) + ", shared_dim " + std::to_string(layer.shared_dim());
     return wrap<T>(std::move(layer), d);
   }
-  if (variant == "dcmha") {  // names of conformance/dcmha.md
-    headmix::DcmhaWeights<T> w;
-    w.q = headmix::read_linear<T>(f, p + "q");
-    w.k = headmix::read_linear<T>(f, p + "k");
-    w.v = headmix::read_linear<T>(f, p + "v");
-    if (f.contains(p + "o.weight")) w.o = headmix::read_linear<T>(f, p + "o");
-    w.dw1 = f.template get<T>(p + "dc.dw1");
-    w.qkw = f.template get<T>(p + "dc.qkw");
-    w.dd = f.template get<T>(p + "dc.dd");
-    if (f.contains(p + "dc.pre_w")) w.pre_w = f.template get<T>(p + "dc.pre_w");
-    if (f.contains(p + "dc.post_w")) w.post_w = f.template get<T>(p + "dc.post_w");
+  if (variant == "dcmha") {
     headmix::DcmhaOptions opt;
     opt.num_heads = H;
     opt.groups = config.value("groups", Index(1));
@@ -237,7 +214,7 @@ Layer<T> build(const std::string& variant, const io::TensorFile& f, const std::s
     opt.dw_norm_eps = config.value("dw_norm_eps", 1e-6);
     if (config.value("dw_gelu", std::string("erf")) == "tanh") opt.gelu = headmix::DcmhaGelu::tanh;
     opt.scale = scale_of(config);
-    headmix::Dcmha<T> layer(std::move(w), opt);
+    auto layer = headmix::Dcmha<T>::from_tensors(f, p, opt);
     const std::string d = "DCMHA, H=" + std::to_string(H) + ", groups " + std::to_string(layer.groups()) +
                           ", rank " + std::to_string(layer.rank());
     return wrap<T>(std::move(layer), d);

@@ -34,6 +34,7 @@
 // it must match it.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "headmix/io/safetensors.hpp"
 #include "reference/lsh_reference.hpp"
 
@@ -52,42 +53,19 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using headmix::Vector;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Random valid parts
 
-template <class T>
-Matrix<T> rand_matrix(Rng& rng, Index rows, Index cols, double bound = 0.5) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(u(rng));
-  return m;
-}
-template <class T>
-Vector<T> rand_vector(Rng& rng, Index n, double bound = 0.5) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Vector<T> v(n);
-  for (Index i = 0; i < n; ++i) v(i) = static_cast<T>(u(rng));
-  return v;
-}
-template <class T>
-Tensor<T> rand_tensor(Rng& rng, std::vector<Index> shape, double bound = 0.5) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Tensor<T> t(std::move(shape));
-  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(u(rng));
-  return t;
-}
+// The catalogue's Linear: biases in [-0.2, 0.2).
 template <class T>
 headmix::Linear<T> rand_linear(Rng& rng, Index out, Index in, bool bias = true) {
-  headmix::Linear<T> l;
-  l.weight = rand_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) l.bias = rand_vector<T>(rng, out, 0.2);
-  return l;
+  return random_linear<T>(rng, out, in, bias, 0.2);
 }
 
 // A TensorFile holding `m` under `name` (F64), for the from_tensors cases.
@@ -122,8 +100,8 @@ struct MhaKit {
     w.v = rand_linear<double>(rng, H * Dv, Dkv);
     w.o = rand_linear<double>(rng, Out, H * Dv);
     opt.num_heads = H;
-    xq = rand_matrix<double>(rng, B * T, D, 1.0);
-    xk = rand_matrix<double>(rng, B * S, Dkv, 1.0);
+    xq = random_matrix<double>(rng, B * T, D, 1.0);
+    xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
     out.resize(B * T, Out);
   }
   headmix::AttentionInput<double> input() const {
@@ -163,11 +141,11 @@ struct ThKit {
     w.k = rand_linear<double>(rng, Hk * Dk, Dkv);
     w.v = rand_linear<double>(rng, Hv * Dv, Dkv);
     w.o = rand_linear<double>(rng, Out, Hv * Dv);
-    w.pre_softmax = rand_matrix<double>(rng, H, Hk);
-    w.post_softmax = rand_matrix<double>(rng, Hv, H);
+    w.pre_softmax = random_matrix<double>(rng, H, Hk, 0.5);
+    w.post_softmax = random_matrix<double>(rng, Hv, H, 0.5);
     opt.num_heads = H, opt.key_heads = Hk, opt.value_heads = Hv;
-    xq = rand_matrix<double>(rng, B * T, D, 1.0);
-    xk = rand_matrix<double>(rng, B * S, Dkv, 1.0);
+    xq = random_matrix<double>(rng, B * T, D, 1.0);
+    xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
     out.resize(B * T, Out);
   }
   headmix::AttentionInput<double> input() const {
@@ -204,17 +182,17 @@ struct CollabKit {
 
   CollabKit() {
     Rng rng(3);
-    w.q = rand_matrix<double>(rng, R, D);
-    w.k = rand_matrix<double>(rng, R, Dkv);
-    w.mixing = rand_matrix<double>(rng, H, R, 1.0);
-    w.content_bias = rand_matrix<double>(rng, H, Dkv);
+    w.q = random_matrix<double>(rng, R, D, 0.5);
+    w.k = random_matrix<double>(rng, R, Dkv, 0.5);
+    w.mixing = random_matrix<double>(rng, H, R, 1.0);
+    w.content_bias = random_matrix<double>(rng, H, Dkv, 0.5);
     w.v = rand_linear<double>(rng, H * Dv, Dkv);
     w.o = rand_linear<double>(rng, Out, H * Dv);
-    w.layer_norm.weight = rand_vector<double>(rng, D, 1.0);
-    w.layer_norm.bias = rand_vector<double>(rng, D, 0.2);
+    w.layer_norm.weight = random_vector<double>(rng, D, 1.0);
+    w.layer_norm.bias = random_vector<double>(rng, D, 0.2);
     opt.num_heads = H;
-    xq = rand_matrix<double>(rng, B * T, D, 1.0);
-    xk = rand_matrix<double>(rng, B * S, Dkv, 1.0);
+    xq = random_matrix<double>(rng, B * T, D, 1.0);
+    xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
     out.resize(B * T, Out);
   }
   headmix::AttentionInput<double> input() const {
@@ -242,9 +220,9 @@ struct LshKit {
     w.qk = rand_linear<double>(rng, H * dh, D, false);
     w.v = rand_linear<double>(rng, H * dv, D, false);
     w.o = rand_linear<double>(rng, Out, H * dv);
-    w.rotations = rand_tensor<double>(rng, {1, dh, NH, NB / 2});
+    w.rotations = random_tensor<double>(rng, {1, dh, NH, NB / 2}, 0.5);
     opt.num_heads = H, opt.bucket_size = bs, opt.n_hashes = NH;
-    x = rand_matrix<double>(rng, B * T, D, 1.0);
+    x = random_matrix<double>(rng, B * T, D, 1.0);
     out.resize(B * T, Out);
   }
   headmix::AttentionInput<double> input() const { return {{x.data(), B, T, D}, {}, {padding.data(), B, T}}; }
@@ -271,13 +249,13 @@ struct DcmhaKit {
     w.k = rand_linear<double>(rng, H * dk, D);
     w.v = rand_linear<double>(rng, H * dv, D);
     w.o = rand_linear<double>(rng, Out, H * dv);
-    w.dw1 = rand_tensor<double>(rng, {D, G, 4, K});
-    w.qkw = rand_tensor<double>(rng, {G, 4, K, 2 * R, M});
-    w.dd = rand_tensor<double>(rng, {D, G, 4 * M});
-    w.pre_w = rand_tensor<double>(rng, {G, M, M});
-    w.post_w = rand_tensor<double>(rng, {G, M, M});
+    w.dw1 = random_tensor<double>(rng, {D, G, 4, K}, 0.5);
+    w.qkw = random_tensor<double>(rng, {G, 4, K, 2 * R, M}, 0.5);
+    w.dd = random_tensor<double>(rng, {D, G, 4 * M}, 0.5);
+    w.pre_w = random_tensor<double>(rng, {G, M, M}, 0.5);
+    w.post_w = random_tensor<double>(rng, {G, M, M}, 0.5);
     opt.num_heads = H, opt.groups = G, opt.rank = R, opt.static_w = true, opt.causal = true;
-    x = rand_matrix<double>(rng, B * T, D, 1.0);
+    x = random_matrix<double>(rng, B * T, D, 1.0);
     out.resize(B * T, Out);
   }
   headmix::AttentionInput<double> input() const { return {{x.data(), B, T, D}, {}, {padding.data(), B, T}}; }
@@ -672,7 +650,7 @@ std::vector<BadCase> catalogue() {
   add("lsh_forward_rotations_for_another_length", S::shape_error, [] {
     LshKit k;  // rotations for T = 8 (NB 4); T = 12 pads to 12, NB 6
     Rng rng(9);
-    Matrix<double> x = rand_matrix<double>(rng, 12, LshKit::D);
+    Matrix<double> x = random_matrix<double>(rng, 12, LshKit::D, 0.5);
     Matrix<double> y(12, LshKit::Out);
     k.forward({{x.data(), 1, 12, LshKit::D}, {}, {}}, {y.data(), 1, 12, LshKit::Out});
   }, {"[lsh] rotations: expected [1, 2, 2, 3], got [1, 2, 2, 2]"});
@@ -956,7 +934,7 @@ std::vector<Subject<T>> subjects(int threads) {
     headmix::TalkingHeadsWeights<T> w;
     w.q = rand_linear<T>(rng, 4, s.D), w.k = rand_linear<T>(rng, 4, s.Dkv), w.v = rand_linear<T>(rng, 6, s.Dkv);
     w.o = rand_linear<T>(rng, s.out, 6);
-    w.pre_softmax = rand_matrix<T>(rng, 3, 2, 1.0), w.post_softmax = rand_matrix<T>(rng, 3, 3, 1.0);
+    w.pre_softmax = random_matrix<T>(rng, 3, 2, 1.0), w.post_softmax = random_matrix<T>(rng, 3, 3, 1.0);
     headmix::TalkingHeadsOptions o;
     o.num_heads = 3, o.key_heads = 2, o.value_heads = 3, o.block_rows = 2, o.threads = threads;
     auto layer = std::make_shared<headmix::TalkingHeads<T>>(w, o);
@@ -971,10 +949,10 @@ std::vector<Subject<T>> subjects(int threads) {
     s.name = layer_norm ? "collab_layer_norm" : "collab", s.cross = true, s.S = 7, s.Dkv = 3;
     if (layer_norm) s.out = s.D;
     headmix::CollabHeadWeights<T> w;
-    w.q = rand_matrix<T>(rng, 4, s.D), w.k = rand_matrix<T>(rng, 4, s.Dkv), w.mixing = rand_matrix<T>(rng, 2, 4, 1.0);
-    w.content_bias = rand_matrix<T>(rng, 2, s.Dkv);
+    w.q = random_matrix<T>(rng, 4, s.D, 0.5), w.k = random_matrix<T>(rng, 4, s.Dkv, 0.5), w.mixing = random_matrix<T>(rng, 2, 4, 1.0);
+    w.content_bias = random_matrix<T>(rng, 2, s.Dkv, 0.5);
     w.v = rand_linear<T>(rng, 4, s.Dkv), w.o = rand_linear<T>(rng, s.out, 4);
-    if (layer_norm) w.layer_norm.weight = rand_vector<T>(rng, s.D, 1.0), w.layer_norm.bias = rand_vector<T>(rng, s.D);
+    if (layer_norm) w.layer_norm.weight = random_vector<T>(rng, s.D, 1.0), w.layer_norm.bias = random_vector<T>(rng, s.D, 0.5);
     headmix::CollabHeadOptions o;
     o.num_heads = 2, o.block_rows = 2, o.threads = threads;
     auto layer = std::make_shared<headmix::CollabHead<T>>(w, o);
@@ -990,7 +968,7 @@ std::vector<Subject<T>> subjects(int threads) {
     headmix::LshWeights<T> w;
     w.qk = rand_linear<T>(rng, 4, s.D, false), w.v = rand_linear<T>(rng, 4, s.D, false);
     w.o = rand_linear<T>(rng, s.out, 4);
-    w.rotations = rand_tensor<T>(rng, {1, 2, 3, 2}, 1.0);  // [1, dh, NH, NB / 2]: T = 8 pads to 8, NB = 4
+    w.rotations = random_tensor<T>(rng, {1, 2, 3, 2}, 1.0);  // [1, dh, NH, NB / 2]: T = 8 pads to 8, NB = 4
     headmix::LshOptions o;
     o.num_heads = 2, o.bucket_size = 2, o.n_hashes = 3, o.threads = threads;
     auto layer = std::make_shared<headmix::Lsh<T>>(w, o);
@@ -1023,9 +1001,9 @@ std::vector<Subject<T>> subjects(int threads) {
     headmix::DcmhaWeights<T> w;
     w.q = rand_linear<T>(rng, H * 2, s.D), w.k = rand_linear<T>(rng, H * 2, s.D), w.v = rand_linear<T>(rng, H * 2, s.D);
     w.o = rand_linear<T>(rng, s.out, H * 2);
-    w.dw1 = rand_tensor<T>(rng, {s.D, G, 4, K}), w.qkw = rand_tensor<T>(rng, {G, 4, K, 2 * R, M});
-    w.dd = rand_tensor<T>(rng, {s.D, G, 4 * M});
-    w.pre_w = rand_tensor<T>(rng, {G, M, M}), w.post_w = rand_tensor<T>(rng, {G, M, M});
+    w.dw1 = random_tensor<T>(rng, {s.D, G, 4, K}, 0.5), w.qkw = random_tensor<T>(rng, {G, 4, K, 2 * R, M}, 0.5);
+    w.dd = random_tensor<T>(rng, {s.D, G, 4 * M}, 0.5);
+    w.pre_w = random_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = random_tensor<T>(rng, {G, M, M}, 0.5);
     headmix::DcmhaOptions o;
     o.num_heads = H, o.groups = G, o.rank = R, o.static_w = true, o.causal = true, o.block_rows = 2;
     o.threads = threads;
@@ -1115,7 +1093,7 @@ TYPED_TEST(NonFiniteInput, InQueryRowReachesOnlyThatRow) {
     for (const auto& s : subjects<T>(threads)) {
       if (!s.cross) continue;
       Rng rng(7);
-      const Matrix<T> xq = rand_matrix<T>(rng, s.B * s.Tq, s.D, 1.0), xk = rand_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
+      const Matrix<T> xq = random_matrix<T>(rng, s.B * s.Tq, s.D, 1.0), xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
       const Tensor<T> clean = s.run(xq, &xk, {});
       for (T v : bad_values<T>()) {
         Matrix<T> poisoned = xq;
@@ -1138,7 +1116,7 @@ void bad_key_test(bool lsh) {
     for (const auto& s : subjects<T>(threads)) {
       if ((s.name == "lsh") != lsh) continue;
       Rng rng(8);
-      const Matrix<T> xq = rand_matrix<T>(rng, s.B * s.Tq, s.D, 1.0), xk = rand_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
+      const Matrix<T> xq = random_matrix<T>(rng, s.B * s.Tq, s.D, 1.0), xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
       const Matrix<T>* keys = s.cross ? &xk : nullptr;
       const Tensor<T> clean = s.run(xq, keys, {});
       const bool causal = s.name == "dcmha";  // DCMHA's subject is causal: rows >= 3 see key 3
@@ -1169,7 +1147,7 @@ TYPED_TEST(NonFiniteInput, InPaddedKeyStaysInItsItem) {
   using T = TypeParam;
   for (const auto& s : subjects<T>(2)) {
     Rng rng(9);
-    const Matrix<T> xq = rand_matrix<T>(rng, s.B * s.Tq, s.D, 1.0), xk = rand_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
+    const Matrix<T> xq = random_matrix<T>(rng, s.B * s.Tq, s.D, 1.0), xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
     std::vector<std::uint8_t> padding(static_cast<std::size_t>(s.B * s.S), 0);
     padding[static_cast<std::size_t>(1 * s.S + 3)] = 1;
     const Matrix<T>* keys = s.cross ? &xk : nullptr;
@@ -1203,7 +1181,7 @@ TYPED_TEST(NonFiniteInput, DecodingCachesItUntilReset) {
   using T = TypeParam;
   Rng rng(10);
   const Index B = 2, D = 5, Out = 4, steps = 4;
-  const Matrix<T> x = rand_matrix<T>(rng, B * steps, D, 1.0);  // step t: rows t and steps + t
+  const Matrix<T> x = random_matrix<T>(rng, B * steps, D, 1.0);  // step t: rows t and steps + t
   auto step_input = [&](Index t, bool poison) {
     Matrix<T> xt(B, D);
     xt.row(0) = x.row(t), xt.row(1) = x.row(steps + t);
@@ -1265,8 +1243,8 @@ TYPED_TEST(NonFiniteInput, DecodingCachesItUntilReset) {
     headmix::DcmhaWeights<T> w;
     w.q = rand_linear<T>(rng, H * 2, D), w.k = rand_linear<T>(rng, H * 2, D), w.v = rand_linear<T>(rng, H * 2, D);
     w.o = rand_linear<T>(rng, Out, H * 2);
-    w.dw1 = rand_tensor<T>(rng, {D, G, 4, K}), w.qkw = rand_tensor<T>(rng, {G, 4, K, 2 * R, M});
-    w.dd = rand_tensor<T>(rng, {D, G, 4 * M});
+    w.dw1 = random_tensor<T>(rng, {D, G, 4, K}, 0.5), w.qkw = random_tensor<T>(rng, {G, 4, K, 2 * R, M}, 0.5);
+    w.dd = random_tensor<T>(rng, {D, G, 4 * M}, 0.5);
     headmix::DcmhaOptions o;
     o.num_heads = H, o.groups = G, o.rank = R, o.causal = true;
     const headmix::Dcmha<T> layer(w, o);

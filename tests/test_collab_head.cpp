@@ -17,6 +17,7 @@
 // The large-logit test loosens float further; its bound is derived there.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "headmix/variants/collab_head.hpp"
 #include "reference/collab_reference.hpp"
 
@@ -34,37 +35,14 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Random problems
-
-double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-int uniform_int(Rng& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
-
-template <class T>
-Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double lo, double hi) {
-  Matrix<T> m(rows, cols);
-  for (Index r = 0; r < rows; ++r)
-    for (Index c = 0; c < cols; ++c) m(r, c) = static_cast<T>(uniform(rng, lo, hi));
-  return m;
-}
-template <class T>
-Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
-  return random_matrix<T>(rng, rows, cols, -bound, bound);
-}
-
-// Weights bounded by 1/sqrt(fan_in), like torch's init, so activations stay O(1).
-template <class T>
-headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
-  headmix::Linear<T> lin;
-  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
-  return lin;
-}
 
 enum class Mixing {
   dense,     // every entry non-zero
@@ -104,32 +82,14 @@ std::string describe(const Shape& s) {
   return o.str();
 }
 
-template <class M>
-std::vector<double> flat(const M& m) {
-  std::vector<double> r;
-  for (Index i = 0; i < m.rows(); ++i)
-    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
-  return r;
-}
-
 template <class T>
 headmix_ref::RefLinear to_ref(const headmix::Linear<T>& lin) {
-  headmix_ref::RefLinear r;
-  r.out = static_cast<int>(lin.weight.rows());
-  r.in = static_cast<int>(lin.weight.cols());
-  r.weight = flat(lin.weight);
-  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
-  return r;
+  return ref_linear_as<headmix_ref::RefLinear>(lin);
 }
 
 template <class T>
 headmix_ref::RefBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  headmix_ref::RefBatch r;
-  r.batch = batch;
-  r.length = static_cast<int>(m.rows()) / batch;
-  r.width = static_cast<int>(m.cols());
-  r.data = flat(m);
-  return r;
+  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
 }
 
 template <class T>
@@ -182,7 +142,7 @@ struct Problem {
   headmix_ref::RefCollabWeights ref_weights() const {
     headmix_ref::RefCollabWeights r;
     r.num_heads = s.H, r.shared_dim = s.R, r.embed_dim = s.D, r.key_dim = s.Dkv;
-    r.q = flat(w.q), r.k = flat(w.k), r.mixing = flat(w.mixing), r.content_bias = flat(w.content_bias);
+    r.q = widen(w.q), r.k = widen(w.k), r.mixing = widen(w.mixing), r.content_bias = widen(w.content_bias);
     r.v = to_ref(w.v), r.o = to_ref(w.o);
     for (Index i = 0; i < w.layer_norm.weight.size(); ++i) r.ln_weight.push_back(double(w.layer_norm.weight(i)));
     for (Index i = 0; i < w.layer_norm.bias.size(); ++i) r.ln_bias.push_back(double(w.layer_norm.bias(i)));
@@ -253,52 +213,6 @@ template <class T>
 Result<T> run(const Problem<T>& p) {
   headmix::Workspace<T> ws;
   return run(p, ws);
-}
-
-struct Tolerance {
-  double rtol, atol;
-};
-template <class T>
-Tolerance default_tolerance();
-template <>
-Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
-template <>
-Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                     Tolerance tol) {
-  if (n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
-  std::size_t bad = 0, first = 0;
-  double worst = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const double g = static_cast<double>(got[i]), err = std::abs(g - want[i]);
-    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
-    if (!(err <= allowed)) {  // also catches NaN
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
-                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
-                                       << want[first] << "; worst error is " << worst << "x the tolerance";
-}
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
-                                     Tolerance tol) {
-  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
-
-template <class T>
-::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
-  if (!(a.shape() == b.shape())) return ::testing::AssertionFailure() << what << ": shapes differ";
-  for (Index i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
-      return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
 }
 
 template <class T>
@@ -785,30 +699,7 @@ TYPED_TEST(CollabHeadTest, BlockMixingCostsWhatMhaCosts) {
 // BadInput: every mismatch throws shape_error whose message names the
 // variant, the argument and both shapes.
 
-template <class Fn>
-std::string shape_error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not a shape_error: ") + e.what() + ">";
-  }
-  return "<no exception>";
-}
-
-::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
-  for (const auto& part : parts)
-    if (message.find(part) == std::string::npos)
-      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
-  return ::testing::AssertionSuccess() << message;
-}
-
-#define EXPECT_SHAPE_ERROR(call, ...)                                                     \
-  do {                                                                                    \
-    EXPECT_THROW(call, headmix::shape_error);                                             \
-    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[collab]", __VA_ARGS__})); \
-  } while (0)
+#define EXPECT_SHAPE_ERROR(call, ...) HEADMIX_EXPECT_SHAPE_ERROR_IN("[collab]", call, __VA_ARGS__)
 
 // A valid cross-attention setup (D != Dkv, R not a multiple of H, Dv, out != D,
 // content bias, o); each test breaks exactly one thing.

@@ -11,6 +11,7 @@
 // the mha float64 conformance tolerance, rtol 1e-9 / atol 1e-12.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "headmix/decomp/cp_als.hpp"
 #include "headmix/decomp/mha_to_collab.hpp"
 #include "headmix/io/safetensors.hpp"
@@ -30,30 +31,15 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
 namespace decomp = headmix::decomp;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Helpers
-
-template <class T>
-Matrix<T> gaussian(Rng& rng, Index rows, Index cols, double sd = 1.0) {
-  std::normal_distribution<double> n(0.0, sd);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(n(rng));
-  return m;
-}
-
-template <class M>
-std::vector<double> flat(const M& m) {
-  std::vector<double> r;
-  for (Index i = 0; i < m.rows(); ++i)
-    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
-  return r;
-}
 
 Tensor<double> to_tensor(const headmix_ref::RefTensor3& t) {
   Tensor<double> out({t.I, t.J, t.K});
@@ -68,12 +54,12 @@ headmix_ref::RefTensor3 to_ref(const Tensor<double>& t) {
 
 // A dense tensor of exact CP rank R (Gaussian factors).
 headmix_ref::RefTensor3 low_rank_tensor(Rng& rng, int I, int J, int K, int R) {
-  const auto a = gaussian<double>(rng, I, R), b = gaussian<double>(rng, J, R), c = gaussian<double>(rng, K, R);
-  return headmix_ref::cp_reconstruct_reference(flat(a), flat(b), flat(c), I, J, K, R);
+  const auto a = normal_matrix<double>(rng, I, R), b = normal_matrix<double>(rng, J, R), c = normal_matrix<double>(rng, K, R);
+  return headmix_ref::cp_reconstruct_reference(widen(a), widen(b), widen(c), I, J, K, R);
 }
 
 headmix_ref::RefTensor3 reconstruct(const std::array<Matrix<double>, 3>& f) {
-  return headmix_ref::cp_reconstruct_reference(flat(f[0]), flat(f[1]), flat(f[2]), static_cast<int>(f[0].rows()),
+  return headmix_ref::cp_reconstruct_reference(widen(f[0]), widen(f[1]), widen(f[2]), static_cast<int>(f[0].rows()),
                                                static_cast<int>(f[1].rows()), static_cast<int>(f[2].rows()),
                                                static_cast<int>(f[0].cols()));
 }
@@ -88,14 +74,6 @@ headmix_ref::RefTensor3 reconstruct(const std::array<Matrix<double>, 3>& f) {
   return ::testing::AssertionSuccess();
 }
 
-template <class M>
-std::vector<double> flat_col(const M& m) {  // a column-major Eigen matrix, flattened row by row
-  std::vector<double> r;
-  for (Index i = 0; i < m.rows(); ++i)
-    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
-  return r;
-}
-
 // ---------------------------------------------------------------------------
 // The two tensor representations against naive loops. Tolerance rtol 1e-12,
 // atol 1e-12 · max: sums of <= a few hundred O(1) products in double.
@@ -103,23 +81,23 @@ std::vector<double> flat_col(const M& m) {  // a column-major Eigen matrix, flat
 TEST(CpTensorOps, DenseTensorMatchesNaiveLoops) {
   Rng rng(1);
   const int I = 5, J = 4, K = 6, R = 3;
-  headmix_ref::RefTensor3 ref{I, J, K, flat(gaussian<double>(rng, 1, I * J * K))};
+  headmix_ref::RefTensor3 ref{I, J, K, widen(normal_matrix<double>(rng, 1, I * J * K))};
   const Tensor<double> t = to_tensor(ref);
   const decomp::DenseTensor3<double> op(t);
-  std::array<Matrix<double>, 3> f = {gaussian<double>(rng, I, R), gaussian<double>(rng, J, R),
-                                     gaussian<double>(rng, K, R)};
+  std::array<Matrix<double>, 3> f = {normal_matrix<double>(rng, I, R), normal_matrix<double>(rng, J, R),
+                                     normal_matrix<double>(rng, K, R)};
   double norm2 = 0;
   for (double x : ref.data) norm2 += x * x;
   EXPECT_NEAR(op.norm_squared(), norm2, 1e-12 * norm2);
   for (int mode = 0; mode < 3; ++mode) {
     SCOPED_TRACE("mode " + std::to_string(mode));
-    EXPECT_TRUE(all_close(flat_col(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, 1e-11));
+    EXPECT_TRUE(all_close(widen(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, 1e-11));
     std::array<Matrix<double>, 3> p;
     for (int n = 0; n < 3; ++n) p[n] = op.project(n, f[n]);
-    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : flat(f[0]),
-                                                    mode == 1 ? std::vector<double>{} : flat(f[1]),
-                                                    mode == 2 ? std::vector<double>{} : flat(f[2]), R, mode);
-    EXPECT_TRUE(all_close(flat(op.mttkrp(mode, p)), want, 1e-12, 1e-11));
+    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : widen(f[0]),
+                                                    mode == 1 ? std::vector<double>{} : widen(f[1]),
+                                                    mode == 2 ? std::vector<double>{} : widen(f[2]), R, mode);
+    EXPECT_TRUE(all_close(widen(op.mttkrp(mode, p)), want, 1e-12, 1e-11));
   }
   const auto approx = reconstruct(f);
   double inner = 0, resid = 0;
@@ -138,28 +116,28 @@ TEST(CpTensorOps, DenseTensorMatchesNaiveLoops) {
 TEST(CpTensorOps, SliceProductTensorMatchesItsDenseForm) {
   Rng rng(2);
   const int D = 7, Dkv = 5, H = 3, Dk = 2, R = 4;
-  const Matrix<double> wq = gaussian<double>(rng, H * Dk, D), wk = gaussian<double>(rng, H * Dk, Dkv);
+  const Matrix<double> wq = normal_matrix<double>(rng, H * Dk, D), wk = normal_matrix<double>(rng, H * Dk, Dkv);
   const decomp::SliceProductTensor<double> op(wq, wk, H);
   EXPECT_EQ(op.dim(0), D);
   EXPECT_EQ(op.dim(1), H);
   EXPECT_EQ(op.dim(2), Dkv);
   EXPECT_EQ(op.slice_rank(), Dk);
-  const auto ref = headmix_ref::mha_bilinear_tensor(flat(wq), flat(wk), H, Dk, D, Dkv);
+  const auto ref = headmix_ref::mha_bilinear_tensor(widen(wq), widen(wk), H, Dk, D, Dkv);
   double norm2 = 0;
   for (double x : ref.data) norm2 += x * x;
   EXPECT_NEAR(op.norm_squared(), norm2, 1e-12 * norm2);
 
-  std::array<Matrix<double>, 3> f = {gaussian<double>(rng, D, R), gaussian<double>(rng, H, R),
-                                     gaussian<double>(rng, Dkv, R)};
+  std::array<Matrix<double>, 3> f = {normal_matrix<double>(rng, D, R), normal_matrix<double>(rng, H, R),
+                                     normal_matrix<double>(rng, Dkv, R)};
   std::array<Matrix<double>, 3> p;
   for (int n = 0; n < 3; ++n) p[n] = op.project(n, f[n]);
   for (int mode = 0; mode < 3; ++mode) {
     SCOPED_TRACE("mode " + std::to_string(mode));
-    EXPECT_TRUE(all_close(flat_col(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, 1e-10));
-    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : flat(f[0]),
-                                                    mode == 1 ? std::vector<double>{} : flat(f[1]),
-                                                    mode == 2 ? std::vector<double>{} : flat(f[2]), R, mode);
-    EXPECT_TRUE(all_close(flat(op.mttkrp(mode, p)), want, 1e-12, 1e-10));
+    EXPECT_TRUE(all_close(widen(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, 1e-10));
+    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : widen(f[0]),
+                                                    mode == 1 ? std::vector<double>{} : widen(f[1]),
+                                                    mode == 2 ? std::vector<double>{} : widen(f[2]), R, mode);
+    EXPECT_TRUE(all_close(widen(op.mttkrp(mode, p)), want, 1e-12, 1e-10));
   }
   const auto approx = reconstruct(f);
   double inner = 0, resid = 0;
@@ -177,8 +155,8 @@ TEST(CpTensorOps, SliceProductTensorMatchesItsDenseForm) {
 TEST(CpTensorOps, SliceSvdOfBothForms) {
   Rng rng(21);
   const int D = 7, Dkv = 5, H = 3, Dk = 3;
-  const Matrix<double> wq = gaussian<double>(rng, H * Dk, D), wk = gaussian<double>(rng, H * Dk, Dkv);
-  const auto ref = headmix_ref::mha_bilinear_tensor(flat(wq), flat(wk), H, Dk, D, Dkv);
+  const Matrix<double> wq = normal_matrix<double>(rng, H * Dk, D), wk = normal_matrix<double>(rng, H * Dk, Dkv);
+  const auto ref = headmix_ref::mha_bilinear_tensor(widen(wq), widen(wk), H, Dk, D, Dkv);
   const Tensor<double> dense_t = to_tensor(ref);
   const decomp::SliceProductTensor<double> sliced(wq, wk, H);
   const decomp::DenseTensor3<double> dense(dense_t);
@@ -190,7 +168,7 @@ TEST(CpTensorOps, SliceSvdOfBothForms) {
       ASSERT_EQ(svd.left.rows(), D);
       ASSERT_EQ(svd.right.rows(), Dkv);
       const Matrix<double> rebuilt = svd.left * svd.values.asDiagonal() * svd.right.transpose();
-      EXPECT_TRUE(all_close(flat(rebuilt), want, 1e-12, 1e-12));
+      EXPECT_TRUE(all_close(widen(rebuilt), want, 1e-12, 1e-12));
       EXPECT_TRUE((svd.left.transpose() * svd.left).isIdentity(1e-12));
       EXPECT_TRUE((svd.right.transpose() * svd.right).isIdentity(1e-12));
       for (Index k = 1; k < svd.values.size(); ++k) EXPECT_LE(svd.values(k), svd.values(k - 1));
@@ -227,7 +205,7 @@ TEST(CpAls, RecoversAnExactlyLowRankTensor) {
 // columns are balanced (same norm in all three factors).
 TEST(CpAls, ReportsTheErrorOfTheFactorsItReturns) {
   Rng rng(4);
-  headmix_ref::RefTensor3 ref{6, 4, 5, flat(gaussian<double>(rng, 1, 120))};
+  headmix_ref::RefTensor3 ref{6, 4, 5, widen(normal_matrix<double>(rng, 1, 120))};
   for (bool line_search : {true, false})
     for (auto init : {decomp::CpInit::slice_svd, decomp::CpInit::hosvd, decomp::CpInit::random}) {
       decomp::CpAlsOptions o;
@@ -248,7 +226,7 @@ TEST(CpAls, ReportsTheErrorOfTheFactorsItReturns) {
 // accepts improvements, so the error never goes up (up to round-off).
 TEST(CpAls, ErrorNeverIncreases) {
   Rng rng(5);
-  headmix_ref::RefTensor3 ref{8, 5, 7, flat(gaussian<double>(rng, 1, 280))};
+  headmix_ref::RefTensor3 ref{8, 5, 7, widen(normal_matrix<double>(rng, 1, 280))};
   for (bool line_search : {true, false}) {
     decomp::CpAlsOptions o;
     o.max_iterations = 200, o.tolerance = 0, o.line_search = line_search;
@@ -262,7 +240,7 @@ TEST(CpAls, ErrorNeverIncreases) {
 
 TEST(CpAls, DeterministicGivenTheSeed) {
   Rng rng(6);
-  headmix_ref::RefTensor3 ref{5, 3, 4, flat(gaussian<double>(rng, 1, 60))};
+  headmix_ref::RefTensor3 ref{5, 3, 4, widen(normal_matrix<double>(rng, 1, 60))};
   const Tensor<double> t = to_tensor(ref);
   decomp::CpAlsOptions o;
   o.max_iterations = 25, o.init = decomp::CpInit::random, o.seed = 11;
@@ -292,7 +270,7 @@ TEST(CpAls, DeterministicGivenTheSeed) {
 
 TEST(CpAls, IterationCapAndTolerance) {
   Rng rng(7);
-  headmix_ref::RefTensor3 ref{7, 6, 5, flat(gaussian<double>(rng, 1, 210))};
+  headmix_ref::RefTensor3 ref{7, 6, 5, widen(normal_matrix<double>(rng, 1, 210))};
   const Tensor<double> t = to_tensor(ref);
   decomp::CpAlsOptions o;
   o.max_iterations = 7, o.tolerance = 0;
@@ -333,7 +311,7 @@ TEST(CpAls, ZeroTensorGivesZeroFactors) {
 // as good as at a lower rank.
 TEST(CpAls, RankLargerThanTheModes) {
   Rng rng(8);
-  headmix_ref::RefTensor3 ref{3, 2, 4, flat(gaussian<double>(rng, 1, 24))};
+  headmix_ref::RefTensor3 ref{3, 2, 4, widen(normal_matrix<double>(rng, 1, 24))};
   decomp::CpAlsOptions o;
   o.max_iterations = 300;
   const auto low = decomp::cp_als(to_tensor(ref), 2, o);
@@ -345,8 +323,8 @@ TEST(CpAls, RankLargerThanTheModes) {
 TEST(CpAls, SliceProductAndDenseFormsGiveTheSameFit) {
   Rng rng(9);
   const int D = 6, H = 3, Dk = 2, R = 3;
-  const Matrix<double> wq = gaussian<double>(rng, H * Dk, D), wk = gaussian<double>(rng, H * Dk, D);
-  const auto ref = headmix_ref::mha_bilinear_tensor(flat(wq), flat(wk), H, Dk, D, D);
+  const Matrix<double> wq = normal_matrix<double>(rng, H * Dk, D), wk = normal_matrix<double>(rng, H * Dk, D);
+  const auto ref = headmix_ref::mha_bilinear_tensor(widen(wq), widen(wk), H, Dk, D, D);
   decomp::CpAlsOptions o;
   o.max_iterations = 40;
   const auto sliced = decomp::cp_als(decomp::SliceProductTensor<double>(wq, wk, H), R, o);
@@ -359,24 +337,8 @@ TEST(CpAls, SliceProductAndDenseFormsGiveTheSameFit) {
 // ---------------------------------------------------------------------------
 // CP-ALS argument checks
 
-template <class Fn>
-std::string error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not a shape_error: ") + e.what() + ">";
-  }
-  return "<no exception>";
-}
-
-#define EXPECT_MESSAGE(call, ...)                                                 \
-  do {                                                                            \
-    const std::string msg = error_message([&] { call; });                         \
-    for (const char* part : {__VA_ARGS__})                                        \
-      EXPECT_NE(msg.find(part), std::string::npos) << "\"" << msg << "\" lacks \"" << part << "\""; \
-  } while (0)
+// The shape_error message of `call` contains every further argument.
+#define EXPECT_MESSAGE(call, ...) EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {__VA_ARGS__}))
 
 TEST(CpAlsBadInput, Arguments) {
   const Tensor<double> t({3, 4, 5});
@@ -405,17 +367,12 @@ TEST(CpAlsBadInput, Arguments) {
 
 template <class T>
 headmix_ref::RefLinear ref_linear(const headmix::Linear<T>& lin) {
-  headmix_ref::RefLinear r;
-  r.out = static_cast<int>(lin.weight.rows());
-  r.in = static_cast<int>(lin.weight.cols());
-  r.weight = flat(lin.weight);
-  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
-  return r;
+  return ref_linear_as<headmix_ref::RefLinear>(lin);
 }
 
 template <class T>
 headmix_ref::RefBatch ref_batch(const Matrix<T>& m, int batch) {
-  return {batch, static_cast<int>(m.rows()) / batch, static_cast<int>(m.cols()), flat(m)};
+  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
 }
 
 template <class Sc>
@@ -459,8 +416,8 @@ struct MhaSetup {
 
 template <class T>
 headmix::Linear<T> linear(Rng& rng, int out, int in, bool bias) {
-  headmix::Linear<T> lin{gaussian<T>(rng, out, in, 1.0 / std::sqrt(double(in))), {}};
-  if (bias) lin.bias = gaussian<T>(rng, out, 1, 0.5);
+  headmix::Linear<T> lin{normal_matrix<T>(rng, out, in, 1.0 / std::sqrt(double(in))), {}};
+  if (bias) lin.bias = normal_matrix<T>(rng, out, 1, 0.5);
   return lin;
 }
 
@@ -472,8 +429,8 @@ MhaSetup<T> random_mha(unsigned seed, MhaSetup<T> s = {}) {
   s.w.k = linear<T>(rng, s.H * s.Dk, s.Dkv, true);
   s.w.v = linear<T>(rng, s.H * s.Dv, s.Dkv, true);
   s.w.o = linear<T>(rng, s.out, s.H * s.Dv, true);
-  s.xq = gaussian<T>(rng, s.B * s.T, s.D);
-  if (s.cross) s.xk = gaussian<T>(rng, s.B * s.S, s.Dkv);
+  s.xq = normal_matrix<T>(rng, s.B * s.T, s.D);
+  if (s.cross) s.xk = normal_matrix<T>(rng, s.B * s.S, s.Dkv);
   return s;
 }
 
@@ -549,8 +506,8 @@ TEST(MhaToCollab, FullRankCopyWeights) {
 TEST(MhaToCollab, ExactlySharedHeadsAreRecovered) {
   Rng rng(120);
   const int D = 16, H = 4, Dk = 4, R = H * Dk / 2, B = 2, T = 6, Dv = 4;
-  const Matrix<double> a0 = gaussian<double>(rng, D, R, 0.5), b0 = gaussian<double>(rng, D, R, 0.5);
-  const Matrix<double> m0 = gaussian<double>(rng, H, R);
+  const Matrix<double> a0 = normal_matrix<double>(rng, D, R, 0.5), b0 = normal_matrix<double>(rng, D, R, 0.5);
+  const Matrix<double> m0 = normal_matrix<double>(rng, H, R);
   MhaSetup<double> s;
   s.B = B, s.T = s.S = T, s.D = s.Dkv = D, s.H = H, s.Dk = Dk, s.Dv = Dv, s.out = D;
   s.w.q.weight.resize(H * Dk, D);
@@ -561,11 +518,11 @@ TEST(MhaToCollab, ExactlySharedHeadsAreRecovered) {
       s.w.q.weight.row(h * Dk + d) = m0(h, r) * a0.col(r).transpose();
       s.w.k.weight.row(h * Dk + d) = b0.col(r).transpose();
     }
-  s.w.q.bias = gaussian<double>(rng, H * Dk, 1, 0.5);
-  s.w.k.bias = gaussian<double>(rng, H * Dk, 1, 0.5);
+  s.w.q.bias = normal_matrix<double>(rng, H * Dk, 1, 0.5);
+  s.w.k.bias = normal_matrix<double>(rng, H * Dk, 1, 0.5);
   s.w.v = linear<double>(rng, H * Dv, D, true);
   s.w.o = linear<double>(rng, D, H * Dv, true);
-  s.xq = gaussian<double>(rng, B * T, D);
+  s.xq = normal_matrix<double>(rng, B * T, D);
 
   decomp::CpAlsOptions o;
   o.max_iterations = 3000, o.tolerance = 1e-15;
@@ -597,10 +554,10 @@ TEST(MhaToCollab, ConvertedWeightsAreTheDecomposition) {
   const auto c = decomp::mha_to_collab(s.w, s.options(), R, o);
   EXPECT_EQ(c.iterations, 50);
   EXPECT_EQ(c.error_history.size(), 50u);
-  const auto T_ref = headmix_ref::mha_bilinear_tensor(flat(s.w.q.weight), flat(s.w.k.weight), s.H, s.Dk, s.D, s.Dkv);
+  const auto T_ref = headmix_ref::mha_bilinear_tensor(widen(s.w.q.weight), widen(s.w.k.weight), s.H, s.Dk, s.D, s.Dkv);
   const Matrix<double> a = c.weights.q.transpose(), m = c.weights.mixing / c.scale_compensation,
                        b = c.weights.k.transpose();
-  const auto approx = headmix_ref::cp_reconstruct_reference(flat(a), flat(m), flat(b), s.D, s.H, s.Dkv, R);
+  const auto approx = headmix_ref::cp_reconstruct_reference(widen(a), widen(m), widen(b), s.D, s.H, s.Dkv, R);
   EXPECT_NEAR(headmix_ref::relative_difference(T_ref.data, approx.data), c.relative_error, 1e-10);
   EXPECT_GT(c.relative_error, 0.0);
   EXPECT_LT(c.relative_error, 1.0);

@@ -45,27 +45,9 @@ inline void eigen_assert_failed(const char* what, const char* file, int line) {
   std::abort();
 }
 }  // namespace dcmha_test
-// Plain operator new is counted in the same windows (std::vector, strings).
-// (GCC cannot see that these replace the global pair, hence the pragma.)
-#include <new>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void* operator new(std::size_t n) {
-  if (dcmha_test::counting_mallocs()) ++dcmha_test::forbidden_mallocs();
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) { return ::operator new(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-
+// Plain operator new (std::vector, strings) is counted by test_util.hpp's
+// replacement, headmix_test::allocations().
+#define HEADMIX_TEST_COUNT_ALLOCATIONS
 #define EIGEN_RUNTIME_NO_MALLOC
 #define eigen_assert(x) \
   do {                  \
@@ -74,6 +56,7 @@ void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 #include "headmix/headmix.hpp"
 #include "reference/dcmha_reference.hpp"
+#include "test_util.hpp"
 
 #include "conformance/case_dcmha.hpp"
 
@@ -90,6 +73,8 @@ void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Dcmha;
 using headmix::SequenceCache;
 using headmix::DcmhaOptions;
@@ -97,34 +82,9 @@ using headmix::DcmhaWeights;
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Random problems
-
-double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-
-template <class T>
-Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(uniform(rng, -bound, bound));
-  return m;
-}
-
-template <class T>
-Tensor<T> random_tensor(Rng& rng, std::vector<Index> shape, double bound) {
-  Tensor<T> t(std::move(shape));
-  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(uniform(rng, -bound, bound));
-  return t;
-}
-
-template <class T>
-headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
-  headmix::Linear<T> lin;
-  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
-  return lin;
-}
 
 /// One test problem.
 struct Config {
@@ -153,23 +113,6 @@ std::string describe(const Config& c) {
     << " causal=" << c.causal << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh << " pad=" << c.pad_rate
     << " block_rows=" << c.block_rows << " threads=" << c.threads;
   return o.str();
-}
-
-template <class T>
-std::vector<double> widen(const T* data, Index n) {
-  return std::vector<double>(data, data + n);
-}
-template <class T>
-std::vector<double> widen(const Matrix<T>& m) {
-  return widen(m.data(), m.size());
-}
-template <class T>
-std::vector<double> widen(const Tensor<T>& t) {
-  return widen(t.data(), t.size());
-}
-template <class T>
-std::vector<double> widen(const headmix::Vector<T>& v) {
-  return widen(v.data(), v.size());
 }
 
 template <class T>
@@ -280,45 +223,10 @@ Result<T> run(const Problem<T>& p) {
   return run(p, ws);
 }
 
-struct Tolerance {
-  double rtol, atol;
-  Tolerance times(double f) const { return {rtol * f, atol * f}; }
-};
+// Same shape and equal entries, NaN matching NaN. Unlike
+// headmix_test::bit_identical, +0 and -0 (and NaN payloads) count as equal.
 template <class T>
-Tolerance default_tolerance();
-template <>
-Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
-template <>
-Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                     Tolerance tol) {
-  if (n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, expected " << want.size();
-  std::size_t bad = 0, first = 0;
-  double worst = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const double g = static_cast<double>(got[i]), err = std::abs(g - want[i]);
-    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
-    if (!(err <= allowed)) {
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at " << first
-                                       << ": got " << static_cast<double>(got[first]) << ", want " << want[first]
-                                       << "; worst error/allowed " << worst;
-}
-template <class T>
-::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
-                                     Tolerance tol) {
-  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
-
-template <class T>
-::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+::testing::AssertionResult equal_values(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
   if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
   for (Index i = 0; i < a.size(); ++i)
     if (!(a[i] == b[i]) && !(a[i] != a[i] && b[i] != b[i]))
@@ -616,14 +524,14 @@ TYPED_TEST(DcmhaTest, ThreadsAreBitIdentical) {
     auto p = p1;
     p.c.threads = threads;
     const Result<TypeParam> many = run(p);
-    EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads;
-    EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads;
+    EXPECT_TRUE(equal_values("output", one.out, many.out)) << threads;
+    EXPECT_TRUE(equal_values("probs", one.probs, many.probs)) << threads;
   }
   c.window = 5, c.pad_rate = 0, c.block_rows = 0;
   const auto w1 = make_problem<TypeParam>(c, 61);
   auto w3 = w1;
   w3.c.threads = 3;
-  EXPECT_TRUE(bit_identical("windowed output", run(w1).out, run(w3).out));
+  EXPECT_TRUE(equal_values("windowed output", run(w1).out, run(w3).out));
 }
 
 TYPED_TEST(DcmhaTest, WorkspaceReuse) {
@@ -636,8 +544,8 @@ TYPED_TEST(DcmhaTest, WorkspaceReuse) {
     for (std::size_t i = 0; i < configs.size(); ++i) {
       const auto p = make_problem<TypeParam>(configs[i], 70 + static_cast<unsigned>(i));
       const Result<TypeParam> reused = run(p, ws), fresh = run(p);
-      EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
-      EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
+      EXPECT_TRUE(equal_values("output", reused.out, fresh.out));
+      EXPECT_TRUE(equal_values("probs", reused.probs, fresh.probs));
     }
 }
 
@@ -649,7 +557,7 @@ TYPED_TEST(DcmhaTest, ApiForms) {
   const Dcmha<TypeParam> layer = p.layer();
   headmix::Workspace<TypeParam> ws;
   const Tensor<TypeParam> allocating = layer.forward(p.input(), ws);
-  EXPECT_TRUE(bit_identical("allocating", allocating, expected.out));
+  EXPECT_TRUE(equal_values("allocating", allocating, expected.out));
   const Matrix<TypeParam> single = layer.forward(p.x);
   ASSERT_EQ(single.rows(), c.T);
   ASSERT_EQ(single.cols(), c.out_dim());
@@ -657,7 +565,7 @@ TYPED_TEST(DcmhaTest, ApiForms) {
   // probs arriving with a stale shape are resized and fully written.
   Tensor<TypeParam> probs({3});
   layer.forward(p.input(), ws, &probs);
-  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
+  EXPECT_TRUE(equal_values("probs", probs, expected.probs));
   EXPECT_EQ(layer.group_heads(), c.H);
   EXPECT_EQ(layer.dw_hidden_dim(), c.K);
   EXPECT_EQ(layer.rank(), c.R);
@@ -679,7 +587,7 @@ TYPED_TEST(DcmhaTest, SetOptions) {
   bad.groups = 3;
   EXPECT_THROW(layer.set_options(bad), headmix::shape_error);
   EXPECT_EQ(layer.options().groups, 1);
-  EXPECT_TRUE(bit_identical("after failed set_options", layer.forward(p.input(), ws), out));
+  EXPECT_TRUE(equal_values("after failed set_options", layer.forward(p.input(), ws), out));
 }
 
 // flops() equals the multiply-adds the naive algorithm performs, by kind.
@@ -777,7 +685,7 @@ TYPED_TEST(DcmhaTest, ChunkedDecodingEqualsForward) {
     EXPECT_TRUE(all_close("probs", dec.probs, widen(full.probs), tol)) << chunks.size();
   }
   // Threads do not change decoding either.
-  EXPECT_TRUE(bit_identical("threads", decode(p, {4}, c.T, 1).out, decode(p, {4}, c.T, 3).out));
+  EXPECT_TRUE(equal_values("threads", decode(p, {4}, c.T, 1).out, decode(p, {4}, c.T, 3).out));
 }
 
 // The conformance cases, decoded position by position (and in chunks of
@@ -886,7 +794,7 @@ TYPED_TEST(DcmhaTest, StepIsCausalWhateverTheOptions) {
   const auto p = make_problem<TypeParam>(c, 104);
   auto q = p;
   q.c.causal = false;
-  EXPECT_TRUE(bit_identical("output", decode(p, {2}, c.T).out, decode(q, {2}, c.T).out));
+  EXPECT_TRUE(equal_values("output", decode(p, {2}, c.T).out, decode(q, {2}, c.T).out));
 }
 
 // Once the cache and workspace are sized, a token costs no allocation.
@@ -905,25 +813,32 @@ TYPED_TEST(DcmhaTest, DecodingAllocatesNothingOnceSized) {
   };
   token(0);  // sizes the workspace
   const std::size_t ws_bytes = ws.bytes();
+  const long news = headmix_test::allocations();
+  // Eigen's reports plus operator new calls since `news`.
+  auto counted = [&] { return dcmha_test::forbidden_mallocs() + (headmix_test::allocations() - news); };
   dcmha_test::forbidden_mallocs() = 0;
   dcmha_test::counting_mallocs() = true;
   Eigen::internal::set_is_malloc_allowed(false);
   for (Index t = 1; t < c.T; ++t) token(t);
   Eigen::internal::set_is_malloc_allowed(true);
   dcmha_test::counting_mallocs() = false;
-  EXPECT_EQ(dcmha_test::forbidden_mallocs(), 0);
+  EXPECT_EQ(counted(), 0);
   EXPECT_EQ(ws.bytes(), ws_bytes);
   EXPECT_EQ(cache.size(), c.T);
   // The check itself works: a fresh matrix inside the window is counted.
+  const long news_before_check = headmix_test::allocations();
+  auto counted_in_check = [&] {
+    return dcmha_test::forbidden_mallocs() + (headmix_test::allocations() - news_before_check);
+  };
   dcmha_test::counting_mallocs() = true;
   Eigen::internal::set_is_malloc_allowed(false);
   { Matrix<TypeParam> fresh(64, 64); (void)fresh; }
   Eigen::internal::set_is_malloc_allowed(true);
-  const int eigen_counted = dcmha_test::forbidden_mallocs();
+  const long eigen_counted = counted_in_check();
   { std::vector<int> fresh(100); (void)fresh; }
   dcmha_test::counting_mallocs() = false;
   EXPECT_GT(eigen_counted, 0);
-  EXPECT_GT(dcmha_test::forbidden_mallocs(), eigen_counted);
+  EXPECT_GT(counted_in_check(), eigen_counted);
 }
 
 // Step cost is O(S) per token: flops of a one-token step grow linearly in
@@ -945,30 +860,7 @@ TYPED_TEST(DcmhaTest, StepFlopsAreLinearInCacheLength) {
 // DcmhaBadInput: every mismatch throws shape_error naming "[dcmha]", the
 // argument and both shapes.
 
-template <class Fn>
-std::string shape_error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not a shape_error: ") + e.what() + ">";
-  }
-  return "<no exception>";
-}
-
-::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
-  for (const auto& part : parts)
-    if (message.find(part) == std::string::npos)
-      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
-  return ::testing::AssertionSuccess() << message;
-}
-
-#define EXPECT_SHAPE_ERROR(call, ...)                                                    \
-  do {                                                                                   \
-    EXPECT_THROW(call, headmix::shape_error);                                            \
-    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[dcmha]", __VA_ARGS__})); \
-  } while (0)
+#define EXPECT_SHAPE_ERROR(call, ...) HEADMIX_EXPECT_SHAPE_ERROR_IN("[dcmha]", call, __VA_ARGS__)
 
 // A valid layer (D 16, H 4 in G 2 groups of M 2, R 2, K 5, static terms);
 // each test breaks exactly one thing.

@@ -7,26 +7,19 @@
 
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <cstdlib>
-#include <new>
 #include <random>
 
-// Count heap allocations, to check that a sized step allocates nothing.
-// (GCC cannot see that this operator new pairs with the free() below.)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-static std::atomic<long> g_allocations{0};
-void* operator new(std::size_t n) {
-  ++g_allocations;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// Count heap allocations (headmix_test::allocations()), to check that a
+// sized step allocates nothing.
+#define HEADMIX_TEST_COUNT_ALLOCATIONS
+#include "test_util.hpp"
 
 using namespace headmix;
 
 namespace {
+
+using headmix_test::shape_error_message;
 
 template <class T>
 Linear<T> random_linear(Index out, Index in, std::mt19937& rng) {
@@ -41,10 +34,7 @@ Linear<T> random_linear(Index out, Index in, std::mt19937& rng) {
 
 template <class T>
 Tensor<T> random_batch(Index B, Index T_, Index D, std::mt19937& rng) {
-  std::uniform_real_distribution<double> u(-1, 1);
-  Tensor<T> x({B, T_, D});
-  for (Index i = 0; i < x.size(); ++i) x[i] = static_cast<T>(u(rng));
-  return x;
+  return headmix_test::random_tensor<T>(rng, {B, T_, D}, 1.0);
 }
 
 // Rows [from, from + n) of every batch item of x, as a new [B, n, D] tensor.
@@ -152,11 +142,11 @@ TEST(Decoding, SizedStepAllocatesNothing) {
   Workspace<float> ws;
   Tensor<float> x = random_batch<float>(1, 1, D, rng), y({1, 1, D});
   layer.step(x.batch(), cache, y.batch(), ws);  // sizes the cache streams and the workspace
-  const long before = g_allocations.load();
+  const long before = headmix_test::allocations().load();
   Eigen::internal::set_is_malloc_allowed(false);
   for (int t = 0; t < 20; ++t) layer.step(x.batch(), cache, y.batch(), ws);
   Eigen::internal::set_is_malloc_allowed(true);
-  EXPECT_EQ(g_allocations.load() - before, 0);
+  EXPECT_EQ(headmix_test::allocations().load() - before, 0);
 }
 
 }  // namespace
@@ -379,11 +369,11 @@ TEST(Decoding, TalkingHeadsSizedStepsAllocateNothing) {
     Tensor<float> prompt = random_batch<float>(1, 5, D, rng), y_prompt({1, 5, D});
     layer.step(prompt.batch(), cache, y_prompt.batch(), ws);
     Tensor<float> x = random_batch<float>(1, 1, D, rng), y({1, 1, D});
-    const long before = g_allocations.load();
+    const long before = headmix_test::allocations().load();
     Eigen::internal::set_is_malloc_allowed(false);
     while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
     Eigen::internal::set_is_malloc_allowed(true);
-    EXPECT_EQ(g_allocations.load() - before, 0) << "h = " << s.h;
+    EXPECT_EQ(headmix_test::allocations().load() - before, 0) << "h = " << s.h;
   }
 }
 
@@ -696,11 +686,33 @@ TEST(Decoding, CollabHeadSizedStepsAllocateNothing) {
   Tensor<float> prompt = random_batch<float>(1, 5, D, rng), y_prompt({1, 5, D});
   layer.step(prompt.batch(), cache, y_prompt.batch(), ws);
   Tensor<float> x = random_batch<float>(1, 1, D, rng), y({1, 1, D});
-  const long before = g_allocations.load();
+  const long before = headmix_test::allocations().load();
   Eigen::internal::set_is_malloc_allowed(false);
   while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
   Eigen::internal::set_is_malloc_allowed(true);
-  EXPECT_EQ(g_allocations.load() - before, 0);
+  EXPECT_EQ(headmix_test::allocations().load() - before, 0);
+}
+
+// truncate(n) rolls a cache back (rejected draft tokens): the positions
+// stepped after it give what a cache that never saw the dropped ones gives.
+TEST(Decoding, TruncateRollsBackToAnEarlierPosition) {
+  std::mt19937 rng(38);
+  const Index B = 2, D = 12, T_ = 9, kept = 5;
+  const auto layer = random_collab<double>({true, false, true, false}, D, 8, 4, 3, rng);
+  const Tensor<double> x = random_batch<double>(B, T_, D, rng), draft = random_batch<double>(B, 3, D, rng);
+  const Tensor<double> want = decode(layer, x, {T_}, D);
+  SequenceCache<double> cache(B, T_ + 3);
+  Workspace<double> ws;
+  Tensor<double> y_kept({B, kept, D}), y_draft({B, 3, D}), y_rest({B, T_ - kept, D});
+  layer.step(slice(x, 0, kept).batch(), cache, y_kept.batch(), ws);
+  layer.step(draft.batch(), cache, y_draft.batch(), ws);
+  EXPECT_THROW(cache.truncate(kept + 4), shape_error);
+  EXPECT_THROW(cache.truncate(-1), shape_error);
+  EXPECT_EQ(cache.size(), kept + 3);
+  cache.truncate(kept);
+  EXPECT_EQ(cache.size(), kept);
+  layer.step(slice(x, kept, T_ - kept).batch(), cache, y_rest.batch(), ws);
+  expect_close(y_rest, slice(want, kept, T_ - kept), tolerance<double>(), "after truncate");
 }
 
 // With two worker threads the steps run on the persistent worker pool:
@@ -721,11 +733,11 @@ TEST(Decoding, SizedStepsOnTwoThreadsAllocateNothing) {
     Workspace<float> ws;
     Tensor<float> x = random_batch<float>(B, 1, D, rng), y({B, 1, D});
     layer.step(x.batch(), cache, y.batch(), ws);
-    const long before = g_allocations.load();
+    const long before = headmix_test::allocations().load();
     Eigen::internal::set_is_malloc_allowed(false);
     while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
     Eigen::internal::set_is_malloc_allowed(true);
-    EXPECT_EQ(g_allocations.load() - before, 0) << name;
+    EXPECT_EQ(headmix_test::allocations().load() - before, 0) << name;
   };
   run(mha, "mha");
   run(collab, "collab");
@@ -763,17 +775,6 @@ Tensor<double> as_tensor(const Vector<double>& v) {
   return t;
 }
 
-// The message of the shape_error `build` throws, or "" if none.
-template <class Build>
-std::string shape_message(Build build) {
-  try {
-    build();
-  } catch (const shape_error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // from_tensors reads collab.md's names under a prefix (F16 storage
 // included), builds the layer the weights build directly, and names the
 // stored tensor, prefix and all, in a shape error.
@@ -809,7 +810,7 @@ TEST(Decoding, CollabHeadFromTensorsReadsCollabMdNamesUnderAPrefix) {
 
   io::TensorFile wrong = f;
   wrong.put(p + "mixing", io::StoredTensor::from(Tensor<double>({H, R + 1})));
-  EXPECT_EQ(shape_message([&] { (void)CollabHead<double>::from_tensors(wrong, p, direct.options()); }),
+  EXPECT_EQ(shape_error_message([&] { (void)CollabHead<double>::from_tensors(wrong, p, direct.options()); }),
             "[collab] encoder.layer.3.attention.mixing: expected [4, 8], got [4, 9]");
   io::TensorFile half_norm = f;
   half_norm.tensors.erase(p + "layer_norm.bias");
@@ -817,7 +818,7 @@ TEST(Decoding, CollabHeadFromTensorsReadsCollabMdNamesUnderAPrefix) {
   // An option is not a tensor: its name stays as it is.
   CollabHeadOptions bad = direct.options();
   bad.block_rows = 0;
-  EXPECT_EQ(shape_message([&] { (void)CollabHead<double>::from_tensors(f, p, bad); }),
+  EXPECT_EQ(shape_error_message([&] { (void)CollabHead<double>::from_tensors(f, p, bad); }),
             "[collab] block_rows: expected >= 1, got 0");
 }
 
@@ -832,14 +833,14 @@ TEST(Decoding, FromTensorsShapeErrorsNameTheStoredTensor) {
   f.put(p + "v.weight", io::StoredTensor::from(as_tensor(random_linear<double>(D, D + 1, rng).weight)));
   MhaOptions mo;
   mo.num_heads = H;
-  EXPECT_EQ(shape_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }),
+  EXPECT_EQ(shape_error_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }),
             "[mha] model.layers.0.self_attn.v.weight: expected [8, 8], got [8, 9]");
   TalkingHeadsOptions to;
   to.num_heads = H;
-  EXPECT_EQ(shape_message([&] { (void)TalkingHeads<double>::from_tensors(f, p, to); }),
+  EXPECT_EQ(shape_error_message([&] { (void)TalkingHeads<double>::from_tensors(f, p, to); }),
             "[talking_heads] model.layers.0.self_attn.v.weight: expected [8, 8], got [8, 9]");
   mo.block_rows = 0;  // an option, not a tensor
-  EXPECT_EQ(shape_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }), "[mha] block_rows: expected >= 1, got 0");
+  EXPECT_EQ(shape_error_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }), "[mha] block_rows: expected >= 1, got 0");
 }
 
 // DCMHA from dcmha.md's names under a prefix equals the layer built from
@@ -868,7 +869,7 @@ TEST(Decoding, DcmhaFromTensorsReadsDcmhaMdNamesUnderAPrefix) {
   for (Index i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]);
 
   prefixed.put(p + "dc.dd", io::StoredTensor::from(Tensor<double>({1, 1, 1})));
-  const std::string msg = shape_message([&] { (void)Dcmha<double>::from_tensors(prefixed, p, plain.options()); });
+  const std::string msg = shape_error_message([&] { (void)Dcmha<double>::from_tensors(prefixed, p, plain.options()); });
   EXPECT_EQ(msg.rfind("[dcmha] blocks.7.attn.dc.dd: expected ", 0), 0u) << msg;
 }
 

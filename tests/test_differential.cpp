@@ -15,8 +15,9 @@
 // The per-variant suites (test_<variant>.cpp) already cover hand-picked
 // cases and ~80 random shapes each; this file draws from wider ranges
 // (longer rows so that query blocks and LSH chunks repeat, up to 4 threads,
-// every option at once) and also drives the decoding entry points (Mha::step,
-// Dcmha::step) with random chunkings against the full causal reference.
+// every option at once) and also drives the decoding entry points (step() of
+// MHA, Talking-Heads, CollabHead and DCMHA) with random chunkings against the
+// full causal reference.
 // One configuration in four is also rerun with threads = 1 and must match
 // bit for bit.
 //
@@ -33,6 +34,7 @@
 // float's unit roundoff times the largest logit (~20) stays below 2e-5.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "reference/collab_reference.hpp"
 #include "reference/dcmha_reference.hpp"
 #include "reference/lsh_reference.hpp"
@@ -56,10 +58,11 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937_64;
 
 constexpr int kDefaultConfigs = 200;
 
@@ -79,7 +82,7 @@ unsigned long long first_seed() {
 // Drawing
 
 struct Draw {
-  Rng rng;
+  std::mt19937_64 rng;
   explicit Draw(unsigned long long seed) : rng(seed) {}
   int integer(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
   double real(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
@@ -90,26 +93,6 @@ struct Draw {
   }
 };
 
-template <class T>
-Matrix<T> matrix(Draw& d, Index rows, Index cols, double bound) {
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(d.real(-bound, bound));
-  return m;
-}
-template <class T>
-Tensor<T> tensor(Draw& d, std::vector<Index> shape, double bound) {
-  Tensor<T> t(std::move(shape));
-  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(d.real(-bound, bound));
-  return t;
-}
-// torch-like init: |w| <= 1/sqrt(fan_in), so activations stay O(input).
-template <class T>
-headmix::Linear<T> linear(Draw& d, Index out, Index in, bool bias) {
-  headmix::Linear<T> l;
-  l.weight = matrix<T>(d, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) l.bias = matrix<T>(d, out, 1, 0.5);
-  return l;
-}
 std::vector<std::uint8_t> padding(Draw& d, int B, int S, int mode) {
   std::vector<std::uint8_t> p;
   if (mode == 0) return p;  // none
@@ -120,76 +103,16 @@ std::vector<std::uint8_t> padding(Draw& d, int B, int S, int mode) {
 }
 
 template <class T>
-std::vector<double> widen(const T* p, Index n) {
-  return std::vector<double>(p, p + n);
-}
-template <class T>
-std::vector<double> widen(const Matrix<T>& m) {
-  return widen(m.data(), m.size());
-}
-
-template <class T>
 headmix_ref::RefLinear ref_linear(const headmix::Linear<T>& l) {
-  headmix_ref::RefLinear r;
-  if (l.empty()) return r;
-  r.out = static_cast<int>(l.weight.rows()), r.in = static_cast<int>(l.weight.cols());
-  r.weight = widen(l.weight), r.bias = widen(l.bias.data(), l.bias.size());
-  return r;
+  return ref_linear_as<headmix_ref::RefLinear>(l);
 }
 template <class T>
 headmix_ref::RefBatch ref_batch(const Matrix<T>& m, int B) {
-  return {B, static_cast<int>(m.rows()) / B, static_cast<int>(m.cols()), widen(m)};
+  return ref_batch_as<headmix_ref::RefBatch>(m, B);
 }
 
 // ---------------------------------------------------------------------------
 // Comparing
-
-struct Tol {
-  double rtol, atol;
-};
-template <class T>
-Tol dense_tol() {
-  return std::is_same_v<T, float> ? Tol{2e-4, 2e-5} : Tol{1e-10, 1e-12};
-}
-template <class T>
-Tol dcmha_tol() {
-  return std::is_same_v<T, float> ? Tol{5e-4, 1e-4} : Tol{1e-10, 1e-11};
-}
-
-// got[i] for i < n against want[offset(i)].
-template <class T>
-::testing::AssertionResult agrees(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                 Tol tol, const std::function<std::size_t(std::size_t)>& at = nullptr) {
-  std::size_t bad = 0, first = 0;
-  double worst = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t j = at ? at(i) : i;
-    if (j >= want.size()) return ::testing::AssertionFailure() << what << ": index " << j << " beyond the reference";
-    const double err = std::abs(static_cast<double>(got[i]) - want[j]), allowed = tol.atol + tol.rtol * std::abs(want[j]);
-    if (!(err <= allowed)) {  // NaN fails too
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (!at && n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, reference " << want.size();
-  if (bad == 0) return ::testing::AssertionSuccess();
-  const std::size_t j = at ? at(first) : first;
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " off, first at " << first << ": got "
-                                       << static_cast<double>(got[first]) << " want " << want[j]
-                                       << ", worst error/allowed " << worst;
-}
-template <class T>
-::testing::AssertionResult agrees(const char* what, const Tensor<T>& got, const std::vector<double>& want, Tol tol) {
-  return agrees(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
-template <class T>
-::testing::AssertionResult same_bits(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
-  if (a.size() && std::memcmp(a.data(), b.data(), sizeof(T) * static_cast<std::size_t>(a.size())) != 0)
-    return ::testing::AssertionFailure() << what << ": threads = 1 gives other bits";
-  return ::testing::AssertionSuccess();
-}
 
 // One configuration's verdict, with its description for the failure message.
 struct Outcome {
@@ -225,6 +148,39 @@ Matrix<T> chunk_rows(const Matrix<T>& x, int B, int T_, int t0, int n) {
   return c;
 }
 
+// Decode rows [0, T) of every batch item of x [B·T, D] with layer.step()
+// over random chunks and compare each chunk's output and weights with
+// `want`, the reference's causal (offset 0) forward over all T positions.
+template <class T, class Layer, class Want>
+::testing::AssertionResult check_steps(Draw& d, const Layer& layer, const Matrix<T>& x, int B, int T_, int out_dim,
+                                       bool want_probs, const Want& want, const Tolerance& tol) {
+  headmix::SequenceCache<T> cache(B, T_ + d.integer(0, 3));
+  headmix::Workspace<T> ws;
+  int t0 = 0;
+  for (int n : chunking(d, T_)) {
+    const Matrix<T> xc = chunk_rows(x, B, T_, t0, n);
+    Tensor<T> y({B, n, out_dim}), probs;
+    layer.step({xc.data(), B, n, x.cols()}, cache, y.batch(), ws, want_probs ? &probs : nullptr);
+    const auto out_at = [&](std::size_t i) {
+      const std::size_t b = i / (n * out_dim), r = i % (n * out_dim);
+      return (b * T_ + t0) * out_dim + r;
+    };
+    auto ok = all_close("step output", y.data(), static_cast<std::size_t>(y.size()), want.output, tol, out_at);
+    if (!ok) return ok;
+    if (want_probs) {
+      const int keys = t0 + n;
+      const auto prob_at = [&](std::size_t i) {  // probs [B, H, n, keys] within [B, H, T, T]
+        const std::size_t j = i % keys, row = i / keys, q = row % n, bh = row / n;
+        return (bh * T_ + t0 + q) * T_ + j;
+      };
+      ok = all_close("step probs", probs.data(), static_cast<std::size_t>(probs.size()), want.probs, tol, prob_at);
+      if (!ok) return ok;
+    }
+    t0 += n;
+  }
+  return ::testing::AssertionSuccess();
+}
+
 // ---------------------------------------------------------------------------
 // MHA
 
@@ -249,10 +205,10 @@ Outcome mha_config(unsigned long long seed) {
   const int pad_mode = decode ? 0 : d.pick({0, 0, 1, 2});
   const bool want_probs = d.coin();
 
-  headmix::MhaWeights<T> w{linear<T>(d, H * Dk, D, bias), linear<T>(d, H * Dk, Dkv, bias),
-                           linear<T>(d, H * Dv, Dkv, bias), {}};
-  if (out_proj) w.o = linear<T>(d, out, H * Dv, bias);
-  const Matrix<T> xq = matrix<T>(d, B * T_, D, in_scale), xk = matrix<T>(d, B * S, Dkv, in_scale);
+  headmix::MhaWeights<T> w{random_linear<T>(d.rng, H * Dk, D, bias), random_linear<T>(d.rng, H * Dk, Dkv, bias),
+                           random_linear<T>(d.rng, H * Dv, Dkv, bias), {}};
+  if (out_proj) w.o = random_linear<T>(d.rng, out, H * Dv, bias);
+  const Matrix<T> xq = random_matrix<T>(d.rng, B * T_, D, in_scale), xk = random_matrix<T>(d.rng, B * S, Dkv, in_scale);
   const std::vector<std::uint8_t> pad = padding(d, B, S, pad_mode);
   const int out_dim = out_proj ? out : H * Dv;
 
@@ -274,29 +230,7 @@ Outcome mha_config(unsigned long long seed) {
     oc.kind = "decode";
     ro.causal = true, ro.causal_offset = 0;
     const auto want = headmix_ref::mha_reference(rw, ro, ref_batch(xq, B));
-    headmix::SequenceCache<T> cache(B, T_ + d.integer(0, 3));
-    headmix::Workspace<T> ws;
-    int t0 = 0;
-    for (int n : chunking(d, T_)) {
-      const Matrix<T> xc = chunk_rows(xq, B, T_, t0, n);
-      Tensor<T> y({B, n, out_dim}), probs;
-      layer.step({xc.data(), B, n, D}, cache, y.batch(), ws, want_probs ? &probs : nullptr);
-      const auto out_at = [&](std::size_t i) {
-        const std::size_t b = i / (n * out_dim), r = i % (n * out_dim);
-        return (b * T_ + t0) * out_dim + r;
-      };
-      DIFF_CHECK(oc, agrees("step output", y.data(), static_cast<std::size_t>(y.size()), want.output, dense_tol<T>(), out_at));
-      if (want_probs) {
-        const int keys = t0 + n;
-        const auto prob_at = [&](std::size_t i) {  // probs [B, H, n, keys] within [B, H, T, T]
-          const std::size_t j = i % keys, row = i / keys, q = row % n, bh = row / n;
-          return (bh * T_ + t0 + q) * T_ + j;
-        };
-        DIFF_CHECK(oc, agrees("step probs", probs.data(), static_cast<std::size_t>(probs.size()), want.probs,
-                             dense_tol<T>(), prob_at));
-      }
-      t0 += n;
-    }
+    DIFF_CHECK(oc, check_steps(d, layer, xq, B, T_, out_dim, want_probs, want, default_tolerance<T>()));
     return oc;
   }
 
@@ -309,13 +243,13 @@ Outcome mha_config(unsigned long long seed) {
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, agrees("output", y, want.output, dense_tol<T>()));
-  if (want_probs) DIFF_CHECK(oc, agrees("probs", probs, want.probs, dense_tol<T>()));
+  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
+  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
   if (o.threads > 1 && d.coin(0.25)) {
     auto o1 = o;
     o1.threads = 1;
     Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, same_bits("output", headmix::Mha<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
+    DIFF_CHECK(oc, bit_identical("output", headmix::Mha<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
   }
   return oc;
 }
@@ -352,15 +286,16 @@ Outcome talking_heads_config(unsigned long long seed) {
   o.block_rows = d.pick<Index>({1, 2, 3, 64, d.integer(1, T_ + 2)});
   o.threads = d.integer(1, 4);
   const double in_scale = d.pick({1.0, 1.0, 3.0});
-  const int pad_mode = d.pick({0, 0, 1, 2});
+  const bool decode = !cross && d.coin(0.25);
+  const int pad_mode = decode ? 0 : d.pick({0, 0, 1, 2});
   const bool want_probs = d.coin();
 
   headmix::TalkingHeadsWeights<T> w;
-  w.q = linear<T>(d, hk * Dk, D, bias), w.k = linear<T>(d, hk * Dk, Dkv, bias), w.v = linear<T>(d, hv * Dv, Dkv, bias);
-  if (out_proj) w.o = linear<T>(d, out, hv * Dv, bias);
-  if (pre) w.pre_softmax = matrix<T>(d, h, hk, 1.0);
-  if (post) w.post_softmax = matrix<T>(d, hv, h, 1.0);
-  const Matrix<T> xq = matrix<T>(d, B * T_, D, in_scale), xk = matrix<T>(d, B * S, Dkv, in_scale);
+  w.q = random_linear<T>(d.rng, hk * Dk, D, bias), w.k = random_linear<T>(d.rng, hk * Dk, Dkv, bias), w.v = random_linear<T>(d.rng, hv * Dv, Dkv, bias);
+  if (out_proj) w.o = random_linear<T>(d.rng, out, hv * Dv, bias);
+  if (pre) w.pre_softmax = random_matrix<T>(d.rng, h, hk, 1.0);
+  if (post) w.post_softmax = random_matrix<T>(d.rng, hv, h, 1.0);
+  const Matrix<T> xq = random_matrix<T>(d.rng, B * T_, D, in_scale), xk = random_matrix<T>(d.rng, B * S, Dkv, in_scale);
   const std::vector<std::uint8_t> pad = padding(d, B, S, pad_mode);
 
   std::ostringstream desc;
@@ -368,7 +303,8 @@ Outcome talking_heads_config(unsigned long long seed) {
        << " hv=" << hv << " Dk=" << Dk << " Dv=" << Dv << " out=" << (out_proj ? std::to_string(out) : "none")
        << " pre=" << pre << " post=" << post << " bias=" << bias << " causal=" << o.causal
        << " offset=" << o.causal_offset << " scale=" << o.scale.value_or(0) << " block_rows=" << o.block_rows
-       << " threads=" << o.threads << " pad_mode=" << pad_mode << " in_scale=" << in_scale;
+       << " threads=" << o.threads << " pad_mode=" << pad_mode << " in_scale=" << in_scale
+       << (decode ? " decode" : "");
   oc.config = desc.str();
 
   headmix_ref::RefThWeights rw;
@@ -382,6 +318,15 @@ Outcome talking_heads_config(unsigned long long seed) {
   ro.key_heads = hk, ro.heads = h, ro.value_heads = hv, ro.causal = o.causal;
   ro.causal_offset = static_cast<long>(o.causal_offset), ro.scale = o.scale.value_or(0);
   const headmix_ref::RefThBatch qb{B, T_, D, widen(xq)}, kb{B, S, Dkv, widen(xk)};
+  if (decode) {  // TalkingHeads::step over random chunks equals the causal (offset 0) forward
+    oc.kind = "decode";
+    ro.causal = true, ro.causal_offset = 0;
+    const auto want = headmix_ref::talking_heads_reference(rw, ro, qb, nullptr, pad);
+    const int out_dim = out_proj ? out : hv * Dv;
+    DIFF_CHECK(oc, check_steps(d, headmix::TalkingHeads<T>(w, o), xq, B, T_, out_dim, want_probs, want,
+                               default_tolerance<T>()));
+    return oc;
+  }
   const auto want = headmix_ref::talking_heads_reference(rw, ro, qb, cross ? &kb : nullptr, pad);
 
   headmix::AttentionInput<T> in;
@@ -392,13 +337,13 @@ Outcome talking_heads_config(unsigned long long seed) {
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, agrees("output", y, want.output, dense_tol<T>()));
-  if (want_probs) DIFF_CHECK(oc, agrees("probs", probs, want.probs, dense_tol<T>()));
+  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
+  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
   if (o.threads > 1 && d.coin(0.25)) {
     auto o1 = o;
     o1.threads = 1;
     Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, same_bits("output", headmix::TalkingHeads<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
+    DIFF_CHECK(oc, bit_identical("output", headmix::TalkingHeads<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
   }
   return oc;
 }
@@ -426,13 +371,14 @@ Outcome collab_config(unsigned long long seed) {
   o.block_rows = d.pick<Index>({1, 2, 3, 64, d.integer(1, T_ + 2)});
   o.threads = d.integer(1, 4);
   const double in_scale = d.pick({1.0, 1.0, 3.0});
-  const int pad_mode = d.pick({0, 0, 1, 2});
+  const bool decode = !cross && d.coin(0.25);
+  const int pad_mode = decode ? 0 : d.pick({0, 0, 1, 2});
   const bool want_probs = d.coin();
 
   headmix::CollabHeadWeights<T> w;
-  w.q = matrix<T>(d, R, D, 1.0 / std::sqrt(double(D)));
-  w.k = matrix<T>(d, R, Dkv, 1.0 / std::sqrt(double(Dkv)));
-  w.mixing = matrix<T>(d, H, R, 1.0);
+  w.q = random_matrix<T>(d.rng, R, D, 1.0 / std::sqrt(double(D)));
+  w.k = random_matrix<T>(d.rng, R, Dkv, 1.0 / std::sqrt(double(Dkv)));
+  w.mixing = random_matrix<T>(d.rng, H, R, 1.0);
   if (mixing_kind == 1) {  // head h keeps a random band of columns (the block mixing of an MHA copy is one case)
     for (int hh = 0; hh < H; ++hh) {
       const int lo = d.integer(0, R - 1), hi = d.integer(lo + 1, R);
@@ -445,15 +391,15 @@ Outcome collab_config(unsigned long long seed) {
     for (Index i = 0; i < w.mixing.size(); ++i)
       if (d.coin(0.3)) w.mixing.data()[i] = T(0);
   }
-  if (content_bias) w.content_bias = matrix<T>(d, H, Dkv, 1.0 / std::sqrt(double(Dkv)));
-  w.v = linear<T>(d, H * Dv, Dkv, v_bias);
-  if (out_proj) w.o = linear<T>(d, out, H * Dv, o_bias);
+  if (content_bias) w.content_bias = random_matrix<T>(d.rng, H, Dkv, 1.0 / std::sqrt(double(Dkv)));
+  w.v = random_linear<T>(d.rng, H * Dv, Dkv, v_bias);
+  if (out_proj) w.o = random_linear<T>(d.rng, out, H * Dv, o_bias);
   if (layer_norm) {
-    w.layer_norm.weight = matrix<T>(d, D, 1, 1.5);
-    w.layer_norm.bias = matrix<T>(d, D, 1, 0.5);
+    w.layer_norm.weight = random_matrix<T>(d.rng, D, 1, 1.5);
+    w.layer_norm.bias = random_matrix<T>(d.rng, D, 1, 0.5);
     w.layer_norm.eps = d.pick({1e-5, 1e-3});
   }
-  const Matrix<T> xq = matrix<T>(d, B * T_, D, in_scale), xk = matrix<T>(d, B * S, Dkv, in_scale);
+  const Matrix<T> xq = random_matrix<T>(d.rng, B * T_, D, in_scale), xk = random_matrix<T>(d.rng, B * S, Dkv, in_scale);
   const std::vector<std::uint8_t> pad = padding(d, B, S, pad_mode);
 
   std::ostringstream desc;
@@ -462,7 +408,7 @@ Outcome collab_config(unsigned long long seed) {
        << " content_bias=" << content_bias << " v_bias=" << v_bias << " o_bias=" << o_bias
        << " layer_norm=" << layer_norm << " causal=" << o.causal << " offset=" << o.causal_offset
        << " scale=" << o.scale.value_or(0) << " block_rows=" << o.block_rows << " threads=" << o.threads
-       << " pad_mode=" << pad_mode << " in_scale=" << in_scale;
+       << " pad_mode=" << pad_mode << " in_scale=" << in_scale << (decode ? " decode" : "");
   oc.config = desc.str();
 
   headmix_ref::RefCollabWeights rw;
@@ -475,6 +421,15 @@ Outcome collab_config(unsigned long long seed) {
   }
   headmix_ref::RefCollabOptions ro;
   ro.causal = o.causal, ro.causal_offset = static_cast<long>(o.causal_offset), ro.scale = o.scale.value_or(0);
+  if (decode) {  // CollabHead::step over random chunks equals the causal (offset 0) forward
+    oc.kind = "decode";
+    ro.causal = true, ro.causal_offset = 0;
+    const auto want = headmix_ref::collab_reference(rw, ro, ref_batch(xq, B), nullptr, pad);
+    const int out_dim = out_proj ? out : H * Dv;
+    DIFF_CHECK(oc, check_steps(d, headmix::CollabHead<T>(w, o), xq, B, T_, out_dim, want_probs, want,
+                               default_tolerance<T>()));
+    return oc;
+  }
   const auto kb = ref_batch(xk, B);
   const auto want = headmix_ref::collab_reference(rw, ro, ref_batch(xq, B), cross ? &kb : nullptr, pad);
 
@@ -486,13 +441,13 @@ Outcome collab_config(unsigned long long seed) {
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, agrees("output", y, want.output, dense_tol<T>()));
-  if (want_probs) DIFF_CHECK(oc, agrees("probs", probs, want.probs, dense_tol<T>()));
+  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
+  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
   if (o.threads > 1 && d.coin(0.25)) {
     auto o1 = o;
     o1.threads = 1;
     Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, same_bits("output", headmix::CollabHead<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
+    DIFF_CHECK(oc, bit_identical("output", headmix::CollabHead<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
   }
   return oc;
 }
@@ -502,8 +457,7 @@ Outcome collab_config(unsigned long long seed) {
 
 template <class T>
 headmix_ref::LshRefLinear lsh_linear(const headmix::Linear<T>& l) {
-  const auto r = ref_linear(l);
-  return {r.out, r.in, r.weight, r.bias};
+  return ref_linear_as<headmix_ref::LshRefLinear>(l);
 }
 
 template <class T>
@@ -529,9 +483,9 @@ Outcome lsh_config(unsigned long long seed) {
   const int NB = o.n_buckets > 0 ? static_cast<int>(o.n_buckets) : Tp / bs;
 
   headmix::LshWeights<T> w;
-  w.qk = linear<T>(d, H * dh, D, qkv_bias), w.v = linear<T>(d, H * dv, D, qkv_bias);
-  if (out_proj) w.o = linear<T>(d, out, H * dv, out_bias);
-  const Matrix<T> x = matrix<T>(d, B * T_, D, 1.0);
+  w.qk = random_linear<T>(d.rng, H * dh, D, qkv_bias), w.v = random_linear<T>(d.rng, H * dv, D, qkv_bias);
+  if (out_proj) w.o = random_linear<T>(d.rng, out, H * dv, out_bias);
+  const Matrix<T> x = random_matrix<T>(d.rng, B * T_, D, 1.0);
   const std::vector<std::uint8_t> pad = padding(d, B, T_, pad_mode);
 
   std::ostringstream desc;
@@ -553,7 +507,7 @@ Outcome lsh_config(unsigned long long seed) {
   // entries are apart by more than T's rounding (as test_lsh.cpp does).
   const double margin = std::is_same_v<T, float> ? 1e-5 : 1e-10;
   for (int attempt = 0;; ++attempt) {
-    w.rotations = tensor<T>(d, {o.rotations_per_head ? B * H : 1, dh, o.n_hashes, NB / 2}, 1.0);
+    w.rotations = random_tensor<T>(d.rng, {o.rotations_per_head ? B * H : 1, dh, o.n_hashes, NB / 2}, 1.0);
     rw.rotations = widen(w.rotations.data(), w.rotations.size());
     if (headmix_ref::lsh_reference(rw, ro, B, T_, D, widen(x), pad, true).min_hash_margin >= margin) break;
     if (attempt == 100) {
@@ -570,13 +524,13 @@ Outcome lsh_config(unsigned long long seed) {
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, agrees("output", y, want.output, dense_tol<T>()));
-  if (want_probs) DIFF_CHECK(oc, agrees("probs", probs, want.probs, dense_tol<T>()));
+  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
+  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
   if (o.threads > 1 && d.coin(0.25)) {
     auto o1 = o;
     o1.threads = 1;
     Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, same_bits("output", headmix::Lsh<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
+    DIFF_CHECK(oc, bit_identical("output", headmix::Lsh<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
   }
   return oc;
 }
@@ -611,14 +565,14 @@ Outcome dcmha_config(unsigned long long seed) {
   const bool want_probs = d.coin();
 
   headmix::DcmhaWeights<T> w;
-  w.q = linear<T>(d, H * dk, D, bias), w.k = linear<T>(d, H * dk, D, bias), w.v = linear<T>(d, H * dv, D, bias);
-  if (out) w.o = linear<T>(d, out, H * dv, bias);
+  w.q = random_linear<T>(d.rng, H * dk, D, bias), w.k = random_linear<T>(d.rng, H * dk, D, bias), w.v = random_linear<T>(d.rng, H * dv, D, bias);
+  if (out) w.o = random_linear<T>(d.rng, out, H * dv, bias);
   // Scaled as test_dcmha.cpp: every dynamic term comparable to the identity.
-  w.dw1 = tensor<T>(d, {D, G, 4, K}, 2.0 / std::sqrt(double(D)));
-  w.qkw = tensor<T>(d, {G, 4, K, 2 * R, M}, 1.0 / std::sqrt(double(K)));
-  w.dd = tensor<T>(d, {D, G, 4 * M}, 2.0 / std::sqrt(double(D)));
-  if (o.static_w) w.pre_w = tensor<T>(d, {G, M, M}, 0.5), w.post_w = tensor<T>(d, {G, M, M}, 0.5);
-  const Matrix<T> x = matrix<T>(d, B * T_, D, 1.0);
+  w.dw1 = random_tensor<T>(d.rng, {D, G, 4, K}, 2.0 / std::sqrt(double(D)));
+  w.qkw = random_tensor<T>(d.rng, {G, 4, K, 2 * R, M}, 1.0 / std::sqrt(double(K)));
+  w.dd = random_tensor<T>(d.rng, {D, G, 4 * M}, 2.0 / std::sqrt(double(D)));
+  if (o.static_w) w.pre_w = random_tensor<T>(d.rng, {G, M, M}, 0.5), w.post_w = random_tensor<T>(d.rng, {G, M, M}, 0.5);
+  const Matrix<T> x = random_matrix<T>(d.rng, B * T_, D, 1.0);
   const std::vector<std::uint8_t> pad = padding(d, B, T_, pad_mode);
   const int out_dim = out ? out : H * dv;
 
@@ -649,29 +603,7 @@ Outcome dcmha_config(unsigned long long seed) {
 
   if (decode) {  // Dcmha::step over random chunks equals the causal forward
     oc.kind = "decode";
-    headmix::SequenceCache<T> cache(B, T_ + d.integer(0, 3));
-    headmix::Workspace<T> ws;
-    int t0 = 0;
-    for (int n : chunking(d, T_)) {
-      const Matrix<T> xc = chunk_rows(x, B, T_, t0, n);
-      Tensor<T> y({B, n, out_dim}), probs;
-      layer.step({xc.data(), B, n, D}, cache, y.batch(), ws, want_probs ? &probs : nullptr);
-      const auto out_at = [&](std::size_t i) {
-        const std::size_t b = i / (n * out_dim), r = i % (n * out_dim);
-        return (b * T_ + t0) * out_dim + r;
-      };
-      DIFF_CHECK(oc, agrees("step output", y.data(), static_cast<std::size_t>(y.size()), want.output, dcmha_tol<T>(), out_at));
-      if (want_probs) {
-        const int keys = t0 + n;
-        const auto prob_at = [&](std::size_t i) {
-          const std::size_t j = i % keys, row = i / keys, q = row % n, bh = row / n;
-          return (bh * T_ + t0 + q) * T_ + j;
-        };
-        DIFF_CHECK(oc, agrees("step probs", probs.data(), static_cast<std::size_t>(probs.size()), want.probs,
-                             dcmha_tol<T>(), prob_at));
-      }
-      t0 += n;
-    }
+    DIFF_CHECK(oc, check_steps(d, layer, x, B, T_, out_dim, want_probs, want, dcmha_tolerance<T>()));
     return oc;
   }
 
@@ -681,13 +613,13 @@ Outcome dcmha_config(unsigned long long seed) {
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, agrees("output", y, want.output, dcmha_tol<T>()));
-  if (want_probs) DIFF_CHECK(oc, agrees("probs", probs, want.probs, dcmha_tol<T>()));
+  DIFF_CHECK(oc, all_close("output", y, want.output, dcmha_tolerance<T>()));
+  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, dcmha_tolerance<T>()));
   if (o.threads > 1 && d.coin(0.25)) {
     auto o1 = o;
     o1.threads = 1;
     Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, same_bits("output", headmix::Dcmha<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
+    DIFF_CHECK(oc, bit_identical("output", headmix::Dcmha<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
   }
   return oc;
 }

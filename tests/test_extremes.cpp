@@ -15,6 +15,7 @@
 // 1e-12 (double) absolute: a clamped exp may leave ~1e-38 where 0 is exact.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "reference/collab_reference.hpp"
 #include "reference/dcmha_reference.hpp"
 #include "reference/lsh_reference.hpp"
@@ -34,82 +35,20 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Helpers
 
 template <class T>
-Matrix<T> rand_matrix(Rng& rng, Index rows, Index cols, double bound = 1.0) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(u(rng));
-  return m;
-}
-template <class T>
-Tensor<T> rand_tensor(Rng& rng, std::vector<Index> shape, double bound) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Tensor<T> t(std::move(shape));
-  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(u(rng));
-  return t;
-}
-template <class T>
-headmix::Linear<T> rand_linear(Rng& rng, Index out, Index in, bool bias = true) {
-  headmix::Linear<T> l;
-  l.weight = rand_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) l.bias = rand_matrix<T>(rng, out, 1, 0.5);
-  return l;
-}
-template <class T>
-std::vector<double> widen(const T* p, Index n) {
-  return std::vector<double>(p, p + n);
-}
-template <class T>
-std::vector<double> widen(const Matrix<T>& m) {
-  return widen(m.data(), m.size());
+Tolerance weight_tol() {  // weights the math makes 0 or 1
+  return std::is_same_v<T, float> ? Tolerance{0, 1e-6} : Tolerance{0, 1e-12};
 }
 
-struct Tol {
-  double rtol, atol;
-};
-template <class T>
-Tol dense_tol() {
-  return std::is_same_v<T, float> ? Tol{2e-4, 2e-5} : Tol{1e-10, 1e-12};
-}
-template <class T>
-Tol dcmha_tol() {
-  return std::is_same_v<T, float> ? Tol{5e-4, 1e-4} : Tol{1e-10, 1e-11};
-}
-template <class T>
-Tol weight_tol() {  // weights the math makes 0 or 1
-  return std::is_same_v<T, float> ? Tol{0, 1e-6} : Tol{0, 1e-12};
-}
-
-template <class T>
-::testing::AssertionResult agrees(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                  Tol tol) {
-  if (n != want.size()) return ::testing::AssertionFailure() << what << ": " << n << " values, expected " << want.size();
-  std::size_t bad = 0, first = 0;
-  double worst = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const double err = std::abs(static_cast<double>(got[i]) - want[i]), allowed = tol.atol + tol.rtol * std::abs(want[i]);
-    if (!(err <= allowed)) {  // NaN fails too
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " off, first at " << first << ": got "
-                                       << static_cast<double>(got[first]) << " want " << want[first]
-                                       << ", worst error/allowed " << worst;
-}
-template <class T>
-::testing::AssertionResult agrees(const char* what, const Tensor<T>& got, const std::vector<double>& want, Tol tol) {
-  return agrees(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
 template <class T>
 ::testing::AssertionResult all_finite(const char* what, const Tensor<T>& t) {
   for (Index i = 0; i < t.size(); ++i)
@@ -140,15 +79,11 @@ std::vector<double> row_of(const Matrix<T>& m, Index r) {
 
 template <class T>
 headmix_ref::RefLinear ref_linear(const headmix::Linear<T>& l) {
-  headmix_ref::RefLinear r;
-  if (l.empty()) return r;
-  r.out = static_cast<int>(l.weight.rows()), r.in = static_cast<int>(l.weight.cols());
-  r.weight = widen(l.weight), r.bias = widen(l.bias.data(), l.bias.size());
-  return r;
+  return ref_linear_as<headmix_ref::RefLinear>(l);
 }
 template <class T>
 headmix_ref::RefBatch ref_batch(const Matrix<T>& m, Index B) {
-  return {static_cast<int>(B), static_cast<int>(m.rows() / B), static_cast<int>(m.cols()), widen(m)};
+  return ref_batch_as<headmix_ref::RefBatch>(m, B);
 }
 
 template <class T>
@@ -256,12 +191,12 @@ headmix::DcmhaWeights<T> dcmha_weights(Rng& rng, Index D, Index H, Index G, Inde
                                        Index out, bool static_w) {
   const Index M = H / G;
   headmix::DcmhaWeights<T> w;
-  w.q = rand_linear<T>(rng, H * dk, D), w.k = rand_linear<T>(rng, H * dk, D), w.v = rand_linear<T>(rng, H * dv, D);
-  w.o = rand_linear<T>(rng, out, H * dv);
-  w.dw1 = rand_tensor<T>(rng, {D, G, 4, K}, 2.0 / std::sqrt(double(D)));
-  w.qkw = rand_tensor<T>(rng, {G, 4, K, 2 * R, M}, 1.0 / std::sqrt(double(K)));
-  w.dd = rand_tensor<T>(rng, {D, G, 4 * M}, 2.0 / std::sqrt(double(D)));
-  if (static_w) w.pre_w = rand_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = rand_tensor<T>(rng, {G, M, M}, 0.5);
+  w.q = random_linear<T>(rng, H * dk, D), w.k = random_linear<T>(rng, H * dk, D), w.v = random_linear<T>(rng, H * dv, D);
+  w.o = random_linear<T>(rng, out, H * dv);
+  w.dw1 = random_tensor<T>(rng, {D, G, 4, K}, 2.0 / std::sqrt(double(D)));
+  w.qkw = random_tensor<T>(rng, {G, 4, K, 2 * R, M}, 1.0 / std::sqrt(double(K)));
+  w.dd = random_tensor<T>(rng, {D, G, 4 * M}, 2.0 / std::sqrt(double(D)));
+  if (static_w) w.pre_w = random_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = random_tensor<T>(rng, {G, M, M}, 0.5);
   return w;
 }
 
@@ -279,7 +214,7 @@ void safe_rotations(Rng& rng, headmix::LshWeights<T>& w, const headmix::LshOptio
   ro.num_heads = static_cast<int>(o.num_heads), ro.bucket_size = static_cast<int>(o.bucket_size);
   ro.n_hashes = static_cast<int>(o.n_hashes), ro.causal = o.causal;
   for (int attempt = 0; attempt < 200; ++attempt) {
-    w.rotations = rand_tensor<T>(rng, {1, w.qk.out_features() / o.num_heads, o.n_hashes, NB / 2}, 1.0);
+    w.rotations = random_tensor<T>(rng, {1, w.qk.out_features() / o.num_heads, o.n_hashes, NB / 2}, 1.0);
     const headmix_ref::LshRefWeights rw{lin(w.qk), lin(w.v), lin(w.o), widen(w.rotations.data(), w.rotations.size())};
     if (headmix_ref::lsh_reference(rw, ro, static_cast<int>(B), static_cast<int>(x.rows() / B),
                                    static_cast<int>(x.cols()), widen(x), pad, true)
@@ -397,7 +332,7 @@ TYPED_TEST(Extremes, MhaLogitsNearTheLargestFiniteValue) {
   headmix::MhaWeights<T> w;
   w.q.weight = Matrix<T>::Constant(1, 1, static_cast<T>(a));
   w.k.weight = Matrix<T>::Constant(1, 1, static_cast<T>(a));
-  w.v = rand_linear<T>(rng, 3, 1), w.o = rand_linear<T>(rng, 4, 3);
+  w.v = random_linear<T>(rng, 3, 1), w.o = random_linear<T>(rng, 4, 3);
   headmix::MhaOptions o;
   o.scale = 1.0;
   const Matrix<T> xq = in.queries<T>(), xk = in.keys<T>();
@@ -409,9 +344,9 @@ TYPED_TEST(Extremes, MhaLogitsNearTheLargestFiniteValue) {
         {{xq.data(), in.B, in.Tq, 1}, {xk.data(), in.B, in.S, 1}, {in.padding.data(), in.B, in.S}}, ws, &probs);
     EXPECT_TRUE(all_finite("output", y));
     EXPECT_TRUE(all_finite("weights", probs));
-    EXPECT_TRUE(agrees("weights", probs, limit_weights(in, 1, 1, 1), weight_tol<T>()));
-    EXPECT_TRUE(agrees("output", y, limit_outputs(in, w.v, w.o, 1, 1), dense_tol<T>()));
-    EXPECT_TRUE(agrees("output vs reference", y, mha_ref(w, o, xq, &xk, in.B, in.padding).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("weights", probs, limit_weights(in, 1, 1, 1), weight_tol<T>()));
+    EXPECT_TRUE(all_close("output", y, limit_outputs(in, w.v, w.o, 1, 1), default_tolerance<T>()));
+    EXPECT_TRUE(all_close("output vs reference", y, mha_ref(w, o, xq, &xk, in.B, in.padding).output, default_tolerance<T>()));
   }
 }
 
@@ -425,7 +360,7 @@ TYPED_TEST(Extremes, TalkingHeadsLogitsNearTheLargestFiniteValue) {
   headmix::TalkingHeadsWeights<T> w;
   w.q.weight = Matrix<T>::Constant(1, 1, static_cast<T>(a));
   w.k.weight = Matrix<T>::Constant(1, 1, static_cast<T>(a));
-  w.v = rand_linear<T>(rng, 3, 1), w.o = rand_linear<T>(rng, 4, 3);
+  w.v = random_linear<T>(rng, 3, 1), w.o = random_linear<T>(rng, 4, 3);
   w.pre_softmax = Matrix<T>::Constant(1, 1, T(-0.9));
   w.post_softmax = Matrix<T>::Constant(1, 1, T(1.5));
   headmix::TalkingHeadsOptions o;
@@ -436,9 +371,9 @@ TYPED_TEST(Extremes, TalkingHeadsLogitsNearTheLargestFiniteValue) {
   const Tensor<T> y = headmix::TalkingHeads<T>(w, o).forward(
       {{xq.data(), in.B, in.Tq, 1}, {xk.data(), in.B, in.S, 1}, {in.padding.data(), in.B, in.S}}, ws, &probs);
   EXPECT_TRUE(all_finite("output", y));
-  EXPECT_TRUE(agrees("weights", probs, limit_weights(in, 1, -1, 1.5), weight_tol<T>()));
-  EXPECT_TRUE(agrees("output", y, limit_outputs(in, w.v, w.o, -1, 1.5), dense_tol<T>()));
-  EXPECT_TRUE(agrees("output vs reference", y, th_ref(w, o, xq, xk, in.B, in.padding).output, dense_tol<T>()));
+  EXPECT_TRUE(all_close("weights", probs, limit_weights(in, 1, -1, 1.5), weight_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, limit_outputs(in, w.v, w.o, -1, 1.5), default_tolerance<T>()));
+  EXPECT_TRUE(all_close("output vs reference", y, th_ref(w, o, xq, xk, in.B, in.padding).output, default_tolerance<T>()));
 }
 
 TYPED_TEST(Extremes, CollabHeadLogitsNearTheLargestFiniteValue) {
@@ -450,7 +385,7 @@ TYPED_TEST(Extremes, CollabHeadLogitsNearTheLargestFiniteValue) {
   w.q = Matrix<T>::Constant(1, 1, static_cast<T>(a));
   w.k = Matrix<T>::Constant(1, 1, static_cast<T>(a));
   w.mixing = Matrix<T>::Constant(1, 1, T(1));
-  w.v = rand_linear<T>(rng, 3, 1), w.o = rand_linear<T>(rng, 4, 3);
+  w.v = random_linear<T>(rng, 3, 1), w.o = random_linear<T>(rng, 4, 3);
   headmix::CollabHeadOptions o;
   o.scale = 1.0, o.block_rows = 3;
   const Matrix<T> xq = in.queries<T>(), xk = in.keys<T>();
@@ -459,9 +394,9 @@ TYPED_TEST(Extremes, CollabHeadLogitsNearTheLargestFiniteValue) {
   const Tensor<T> y = headmix::CollabHead<T>(w, o).forward(
       {{xq.data(), in.B, in.Tq, 1}, {xk.data(), in.B, in.S, 1}, {in.padding.data(), in.B, in.S}}, ws, &probs);
   EXPECT_TRUE(all_finite("output", y));
-  EXPECT_TRUE(agrees("weights", probs, limit_weights(in, 1, 1, 1), weight_tol<T>()));
-  EXPECT_TRUE(agrees("output", y, limit_outputs(in, w.v, w.o, 1, 1), dense_tol<T>()));
-  EXPECT_TRUE(agrees("output vs reference", y, collab_ref(w, o, xq, xk, in.B, in.padding).output, dense_tol<T>()));
+  EXPECT_TRUE(all_close("weights", probs, limit_weights(in, 1, 1, 1), weight_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, limit_outputs(in, w.v, w.o, 1, 1), default_tolerance<T>()));
+  EXPECT_TRUE(all_close("output vs reference", y, collab_ref(w, o, xq, xk, in.B, in.padding).output, default_tolerance<T>()));
 }
 
 // DCMHA is self-attention: logit(i, j) = ±L·x_i·x_j per head (head 1's query
@@ -494,8 +429,8 @@ TYPED_TEST(Extremes, DcmhaLogitsNearTheLargestFiniteValue) {
     const double top = *std::max_element(want.softmax.begin() + r * T_, want.softmax.begin() + (r + 1) * T_);
     EXPECT_TRUE(top == 1.0 || std::abs(top - 1.0 / T_) < 1e-15) << "row " << r;
   }
-  EXPECT_TRUE(agrees("weights", probs, want.probs, dcmha_tol<T>()));
-  EXPECT_TRUE(agrees("output", y, want.output, dcmha_tol<T>()));
+  EXPECT_TRUE(all_close("weights", probs, want.probs, dcmha_tolerance<T>()));
+  EXPECT_TRUE(all_close("output", y, want.output, dcmha_tolerance<T>()));
 }
 
 // LSH logits are q·k̂/sqrt(dh) with k̂ = qk / ‖qk‖, so |logit| <= ‖qk‖: a
@@ -518,10 +453,10 @@ LshAtMagnitude<T> lsh_at_magnitude(double magnitude) {
   const Index B = 2, T_ = 16, D = 2, H = 1;
   headmix::LshWeights<T> w;
   w.qk.weight = Matrix<T>::Identity(2, 2) * static_cast<T>(magnitude);
-  w.v = rand_linear<T>(rng, 3, D, false), w.o = rand_linear<T>(rng, 4, 3);
+  w.v = random_linear<T>(rng, 3, D, false), w.o = random_linear<T>(rng, 4, 3);
   headmix::LshOptions o;
   o.num_heads = H, o.bucket_size = 4, o.n_hashes = 1;
-  Matrix<T> x = rand_matrix<T>(rng, B * T_, D);
+  Matrix<T> x = random_matrix<T>(rng, B * T_, D, 1.0);
   safe_rotations(rng, w, o, x, B, {}, 4);  // T = 16 pads to 16, NB = 4
   headmix::Workspace<T> ws;
   LshAtMagnitude<T> r;
@@ -538,8 +473,8 @@ TYPED_TEST(Extremes, LshLargeQueryKeyNorms) {
   using T = TypeParam;
   const auto r = lsh_at_magnitude<T>(safe_magnitude<T>());
   EXPECT_TRUE(all_finite("output", r.out));
-  EXPECT_TRUE(agrees("weights", r.probs, r.want.probs, weight_tol<T>()));
-  EXPECT_TRUE(agrees("output", r.out, r.want.output, dense_tol<T>()));
+  EXPECT_TRUE(all_close("weights", r.probs, r.want.probs, weight_tol<T>()));
+  EXPECT_TRUE(all_close("output", r.out, r.want.output, default_tolerance<T>()));
 }
 
 // Beyond sqrt(max) the squared norm ‖qk‖² overflows, while the logits
@@ -552,8 +487,8 @@ TYPED_TEST(Extremes, LshQueryKeyNormsBeyondTheSquareRootOfTheLimit) {
   const auto safe = lsh_at_magnitude<T>(safe_magnitude<T>());
   const auto big = lsh_at_magnitude<T>(std::is_same_v<T, float> ? 1e30 : 1e300);
   EXPECT_TRUE(all_finite("output", big.out));
-  EXPECT_TRUE(agrees("weights", big.probs, widen(safe.probs.data(), safe.probs.size()), weight_tol<T>()));
-  EXPECT_TRUE(agrees("output", big.out, widen(safe.out.data(), safe.out.size()), dense_tol<T>()));
+  EXPECT_TRUE(all_close("weights", big.probs, widen(safe.probs.data(), safe.probs.size()), weight_tol<T>()));
+  EXPECT_TRUE(all_close("output", big.out, widen(safe.out.data(), safe.out.size()), default_tolerance<T>()));
 }
 
 // ---------------------------------------------------------------------------
@@ -567,14 +502,14 @@ TYPED_TEST(Extremes, MhaAllEqualLogitsGiveUniformWeights) {
   using T = TypeParam;
   Rng rng(7);
   const Index B = 2, T_ = 6, S = 9, D = 5, Dkv = 4, H = 2, Dk = 3, Dv = 2, Out = 3;
-  headmix::MhaWeights<T> w{rand_linear<T>(rng, H * Dk, D), rand_linear<T>(rng, H * Dk, Dkv),
-                           rand_linear<T>(rng, H * Dv, Dkv), rand_linear<T>(rng, Out, H * Dv)};
+  headmix::MhaWeights<T> w{random_linear<T>(rng, H * Dk, D), random_linear<T>(rng, H * Dk, Dkv),
+                           random_linear<T>(rng, H * Dv, Dkv), random_linear<T>(rng, Out, H * Dv)};
   w.k.weight.setZero();
   w.k.bias.setConstant(T(2.5));
   w.q.weight *= T(40);  // large, different logits per row: only their equality along the row matters
   headmix::MhaOptions o;
   o.num_heads = H, o.causal = true, o.causal_offset = 1, o.block_rows = 4;
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   std::vector<std::uint8_t> pad(B * S, 0);
   pad[2] = pad[S + 0] = pad[S + 7] = 1;
   headmix::Workspace<T> ws;
@@ -601,7 +536,7 @@ TYPED_TEST(Extremes, MhaAllEqualLogitsGiveUniformWeights) {
       const auto out = affine(w.o, mean);
       want_out.insert(want_out.end(), out.begin(), out.end());
     }
-  EXPECT_TRUE(agrees("output", y, want_out, dense_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, want_out, default_tolerance<T>()));
 }
 
 // Talking-Heads: equal logits stay equal through the pre mix, so each
@@ -611,13 +546,13 @@ TYPED_TEST(Extremes, TalkingHeadsAllEqualLogits) {
   Rng rng(8);
   const Index B = 2, T_ = 5, S = 7, D = 4, Dkv = 3, hk = 2, h = 3, hv = 2;
   headmix::TalkingHeadsWeights<T> w;
-  w.q = rand_linear<T>(rng, hk * 2, D), w.k = rand_linear<T>(rng, hk * 2, Dkv), w.v = rand_linear<T>(rng, hv * 2, Dkv);
-  w.o = rand_linear<T>(rng, 3, hv * 2);
+  w.q = random_linear<T>(rng, hk * 2, D), w.k = random_linear<T>(rng, hk * 2, Dkv), w.v = random_linear<T>(rng, hv * 2, Dkv);
+  w.o = random_linear<T>(rng, 3, hv * 2);
   w.k.weight.setZero();
-  w.pre_softmax = rand_matrix<T>(rng, h, hk), w.post_softmax = rand_matrix<T>(rng, hv, h);
+  w.pre_softmax = random_matrix<T>(rng, h, hk, 1.0), w.post_softmax = random_matrix<T>(rng, hv, h, 1.0);
   headmix::TalkingHeadsOptions o;
   o.num_heads = h, o.key_heads = hk, o.value_heads = hv;
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   std::vector<std::uint8_t> pad(B * S, 0);
   pad[S + 3] = 1;
   headmix::Workspace<T> ws;
@@ -634,8 +569,8 @@ TYPED_TEST(Extremes, TalkingHeadsAllEqualLogits) {
           for (Index g = 0; g < h; ++g) mass += static_cast<double>(w.post_softmax(c, g));
           want[static_cast<std::size_t>(((b * hv + c) * T_ + i) * S + j)] = mass / static_cast<double>(b == 0 ? S : S - 1);
         }
-  EXPECT_TRUE(agrees("weights", probs, want, dense_tol<T>()));
-  EXPECT_TRUE(agrees("output", y, th_ref(w, o, xq, xk, B, pad).output, dense_tol<T>()));
+  EXPECT_TRUE(all_close("weights", probs, want, default_tolerance<T>()));
+  EXPECT_TRUE(all_close("output", y, th_ref(w, o, xq, xk, B, pad).output, default_tolerance<T>()));
 }
 
 // CollabHead: K̃ = 0 and no content bias make every logit 0.
@@ -644,17 +579,17 @@ TYPED_TEST(Extremes, CollabHeadAllEqualLogits) {
   Rng rng(9);
   const Index B = 2, T_ = 5, S = 6, D = 4, Dkv = 3, H = 2, R = 4;
   headmix::CollabHeadWeights<T> w;
-  w.q = rand_matrix<T>(rng, R, D), w.k = Matrix<T>::Zero(R, Dkv), w.mixing = rand_matrix<T>(rng, H, R);
-  w.v = rand_linear<T>(rng, H * 2, Dkv), w.o = rand_linear<T>(rng, 3, H * 2);
+  w.q = random_matrix<T>(rng, R, D, 1.0), w.k = Matrix<T>::Zero(R, Dkv), w.mixing = random_matrix<T>(rng, H, R, 1.0);
+  w.v = random_linear<T>(rng, H * 2, Dkv), w.o = random_linear<T>(rng, 3, H * 2);
   headmix::CollabHeadOptions o;
   o.num_heads = H;
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = headmix::CollabHead<T>(w, o).forward({{xq.data(), B, T_, D}, {xk.data(), B, S, Dkv}, {}}, ws,
                                                            &probs);
   for (Index i = 0; i < probs.size(); ++i) ASSERT_EQ(probs[i], T(1) / T(S)) << i;
-  EXPECT_TRUE(agrees("output", y, collab_ref(w, o, xq, xk, B).output, dense_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, collab_ref(w, o, xq, xk, B).output, default_tolerance<T>()));
 }
 
 // LSH and DCMHA: all positions equal (identical rows of x). LSH: every key
@@ -665,18 +600,18 @@ TYPED_TEST(Extremes, LshAllPositionsEqual) {
   Rng rng(10);
   const Index B = 2, T_ = 12, D = 4;
   headmix::LshWeights<T> w;
-  w.qk = rand_linear<T>(rng, 2 * 3, D, false), w.v = rand_linear<T>(rng, 2 * 2, D), w.o = rand_linear<T>(rng, 3, 4);
+  w.qk = random_linear<T>(rng, 2 * 3, D, false), w.v = random_linear<T>(rng, 2 * 2, D), w.o = random_linear<T>(rng, 3, 4);
   headmix::LshOptions o;
   o.num_heads = 2, o.bucket_size = 3, o.n_hashes = 2, o.causal = true, o.seed = 5;
   Matrix<T> x(B * T_, D);
-  const Matrix<T> row = rand_matrix<T>(rng, 1, D);
+  const Matrix<T> row = random_matrix<T>(rng, 1, D, 1.0);
   for (Index i = 0; i < x.rows(); ++i) x.row(i) = row;
   headmix::Workspace<T> ws;
   const Tensor<T> y = headmix::Lsh<T>(w, o).forward({{x.data(), B, T_, D}, {}, {}}, ws);
   const auto want = affine(w.o, affine(w.v, row_of(row, 0)));
   std::vector<double> all;
   for (Index i = 0; i < B * T_; ++i) all.insert(all.end(), want.begin(), want.end());
-  EXPECT_TRUE(agrees("output", y, all, dense_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, all, default_tolerance<T>()));
 }
 
 TYPED_TEST(Extremes, DcmhaAllPositionsEqual) {
@@ -687,14 +622,14 @@ TYPED_TEST(Extremes, DcmhaAllPositionsEqual) {
   headmix::DcmhaOptions o;
   o.num_heads = H, o.groups = 2, o.rank = 2, o.causal = true, o.window = 4;
   Matrix<T> x(B * T_, D);
-  const Matrix<T> row = rand_matrix<T>(rng, 1, D);
+  const Matrix<T> row = random_matrix<T>(rng, 1, D, 1.0);
   for (Index i = 0; i < x.rows(); ++i) x.row(i) = row;
   headmix::Workspace<T> ws;
   Tensor<T> probs;
   const Tensor<T> y = headmix::Dcmha<T>(w, o).forward({{x.data(), B, T_, D}, {}, {}}, ws, &probs);
   const auto want = dcmha_ref(w, o, x, B);
-  EXPECT_TRUE(agrees("output", y, want.output, dcmha_tol<T>()));
-  EXPECT_TRUE(agrees("weights", probs, want.probs, dcmha_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, want.output, dcmha_tolerance<T>()));
+  EXPECT_TRUE(all_close("weights", probs, want.probs, dcmha_tolerance<T>()));
   for (Index r = 0; r < B * H * T_; ++r) {  // row r is query i = r % T_: keys i-3 .. i visible
     const Index i = r % T_, lo = std::max<Index>(0, i - 3);
     for (Index j = lo; j <= i; ++j) EXPECT_NEAR(probs[r * T_ + j], probs[r * T_ + i], 1e-6) << r << "," << j;
@@ -711,7 +646,7 @@ TYPED_TEST(Extremes, SingleKey) {
   using T = TypeParam;
   Rng rng(12);
   const Index B = 2, T_ = 5, D = 4, Dkv = 3;
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B, Dkv, 1.0);
   headmix::AttentionInput<T> in{{xq.data(), B, T_, D}, {xk.data(), B, 1, Dkv}, {}};
   auto same_rows = [&](const char* name, const Tensor<T>& y) {
     const Index out = y.dim(2);
@@ -720,8 +655,8 @@ TYPED_TEST(Extremes, SingleKey) {
         for (Index c = 0; c < out; ++c) EXPECT_EQ(y[(b * T_ + i) * out + c], y[(b * T_) * out + c]) << name;
   };
   {
-    headmix::MhaWeights<T> w{rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 6, Dkv), rand_linear<T>(rng, 4, Dkv),
-                             rand_linear<T>(rng, 3, 4)};
+    headmix::MhaWeights<T> w{random_linear<T>(rng, 6, D), random_linear<T>(rng, 6, Dkv), random_linear<T>(rng, 4, Dkv),
+                             random_linear<T>(rng, 3, 4)};
     headmix::MhaOptions o;
     o.num_heads = 2;
     headmix::Workspace<T> ws;
@@ -735,12 +670,12 @@ TYPED_TEST(Extremes, SingleKey) {
         const auto out = affine(w.o, affine(w.v, row_of(xk, b)));
         want.insert(want.end(), out.begin(), out.end());
       }
-    EXPECT_TRUE(agrees("mha output", y, want, dense_tol<T>()));
+    EXPECT_TRUE(all_close("mha output", y, want, default_tolerance<T>()));
   }
   {
     headmix::TalkingHeadsWeights<T> w;
-    w.q = rand_linear<T>(rng, 4, D), w.k = rand_linear<T>(rng, 4, Dkv), w.v = rand_linear<T>(rng, 6, Dkv);
-    w.pre_softmax = rand_matrix<T>(rng, 3, 2), w.post_softmax = rand_matrix<T>(rng, 3, 3);
+    w.q = random_linear<T>(rng, 4, D), w.k = random_linear<T>(rng, 4, Dkv), w.v = random_linear<T>(rng, 6, Dkv);
+    w.pre_softmax = random_matrix<T>(rng, 3, 2, 1.0), w.post_softmax = random_matrix<T>(rng, 3, 3, 1.0);
     headmix::TalkingHeadsOptions o;
     o.num_heads = 3, o.key_heads = 2;
     headmix::Workspace<T> ws;
@@ -751,13 +686,13 @@ TYPED_TEST(Extremes, SingleKey) {
         for (Index i = 0; i < T_; ++i)
           EXPECT_NEAR(probs[(b * 3 + c) * T_ + i], w.post_softmax.row(c).sum(), 1e-6) << b << c << i;
     same_rows("talking_heads", y);
-    EXPECT_TRUE(agrees("talking_heads output", y, th_ref(w, o, xq, xk, B).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("talking_heads output", y, th_ref(w, o, xq, xk, B).output, default_tolerance<T>()));
   }
   {
     headmix::CollabHeadWeights<T> w;
-    w.q = rand_matrix<T>(rng, 4, D), w.k = rand_matrix<T>(rng, 4, Dkv), w.mixing = rand_matrix<T>(rng, 2, 4);
-    w.content_bias = rand_matrix<T>(rng, 2, Dkv);
-    w.v = rand_linear<T>(rng, 4, Dkv), w.o = rand_linear<T>(rng, 3, 4);
+    w.q = random_matrix<T>(rng, 4, D, 1.0), w.k = random_matrix<T>(rng, 4, Dkv, 1.0), w.mixing = random_matrix<T>(rng, 2, 4, 1.0);
+    w.content_bias = random_matrix<T>(rng, 2, Dkv, 1.0);
+    w.v = random_linear<T>(rng, 4, Dkv), w.o = random_linear<T>(rng, 3, 4);
     headmix::CollabHeadOptions o;
     o.num_heads = 2;
     headmix::Workspace<T> ws;
@@ -765,7 +700,7 @@ TYPED_TEST(Extremes, SingleKey) {
     const Tensor<T> y = headmix::CollabHead<T>(w, o).forward(in, ws, &probs);
     for (Index i = 0; i < probs.size(); ++i) EXPECT_EQ(probs[i], T(1));
     same_rows("collab", y);
-    EXPECT_TRUE(agrees("collab output", y, collab_ref(w, o, xq, xk, B).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("collab output", y, collab_ref(w, o, xq, xk, B).output, default_tolerance<T>()));
   }
 }
 
@@ -777,51 +712,51 @@ TYPED_TEST(Extremes, SingleQuery) {
   using T = TypeParam;
   Rng rng(13);
   const Index B = 2, S = 9, D = 4, Dkv = 3;
-  const Matrix<T> xq = rand_matrix<T>(rng, B, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   std::vector<std::uint8_t> pad(B * S, 0);
   pad[S + 4] = 1;
   const headmix::AttentionInput<T> in{{xq.data(), B, 1, D}, {xk.data(), B, S, Dkv}, {pad.data(), B, S}};
   for (Index offset : {Index(0), Index(8)}) {
     SCOPED_TRACE("causal offset " + std::to_string(offset));
     {
-      headmix::MhaWeights<T> w{rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 6, Dkv), rand_linear<T>(rng, 4, Dkv),
-                               rand_linear<T>(rng, 3, 4)};
+      headmix::MhaWeights<T> w{random_linear<T>(rng, 6, D), random_linear<T>(rng, 6, Dkv), random_linear<T>(rng, 4, Dkv),
+                               random_linear<T>(rng, 3, 4)};
       headmix::MhaOptions o;
       o.num_heads = 2, o.causal = true, o.causal_offset = offset;
       headmix::Workspace<T> ws;
       Tensor<T> probs;
       const Tensor<T> y = headmix::Mha<T>(w, o).forward(in, ws, &probs);
       const auto want = mha_ref(w, o, xq, &xk, B, pad);
-      EXPECT_TRUE(agrees("mha output", y, want.output, dense_tol<T>()));
-      EXPECT_TRUE(agrees("mha weights", probs, want.probs, dense_tol<T>()));
+      EXPECT_TRUE(all_close("mha output", y, want.output, default_tolerance<T>()));
+      EXPECT_TRUE(all_close("mha weights", probs, want.probs, default_tolerance<T>()));
       if (offset == 0) {
         for (Index r = 0; r < B * 2; ++r) EXPECT_EQ(probs[r * S], T(1));
       }
     }
     {
       headmix::TalkingHeadsWeights<T> w;
-      w.q = rand_linear<T>(rng, 4, D), w.k = rand_linear<T>(rng, 4, Dkv), w.v = rand_linear<T>(rng, 4, Dkv);
-      w.o = rand_linear<T>(rng, 3, 4), w.pre_softmax = rand_matrix<T>(rng, 2, 2), w.post_softmax = rand_matrix<T>(rng, 2, 2);
+      w.q = random_linear<T>(rng, 4, D), w.k = random_linear<T>(rng, 4, Dkv), w.v = random_linear<T>(rng, 4, Dkv);
+      w.o = random_linear<T>(rng, 3, 4), w.pre_softmax = random_matrix<T>(rng, 2, 2, 1.0), w.post_softmax = random_matrix<T>(rng, 2, 2, 1.0);
       headmix::TalkingHeadsOptions o;
       o.num_heads = 2, o.causal = true, o.causal_offset = offset;
       headmix::Workspace<T> ws;
       const Tensor<T> y = headmix::TalkingHeads<T>(w, o).forward(in, ws);
-      EXPECT_TRUE(agrees("talking_heads output", y, th_ref(w, o, xq, xk, B, pad).output, dense_tol<T>()));
+      EXPECT_TRUE(all_close("talking_heads output", y, th_ref(w, o, xq, xk, B, pad).output, default_tolerance<T>()));
     }
     {
       headmix::CollabHeadWeights<T> w;
-      w.q = rand_matrix<T>(rng, 4, D), w.k = rand_matrix<T>(rng, 4, Dkv), w.mixing = rand_matrix<T>(rng, 2, 4);
-      w.v = rand_linear<T>(rng, 4, Dkv), w.o = rand_linear<T>(rng, 3, 4);
+      w.q = random_matrix<T>(rng, 4, D, 1.0), w.k = random_matrix<T>(rng, 4, Dkv, 1.0), w.mixing = random_matrix<T>(rng, 2, 4, 1.0);
+      w.v = random_linear<T>(rng, 4, Dkv), w.o = random_linear<T>(rng, 3, 4);
       headmix::CollabHeadOptions o;
       o.num_heads = 2, o.causal = true, o.causal_offset = offset;
       headmix::Workspace<T> ws;
       const Tensor<T> y = headmix::CollabHead<T>(w, o).forward(in, ws);
-      EXPECT_TRUE(agrees("collab output", y, collab_ref(w, o, xq, xk, B, pad).output, dense_tol<T>()));
+      EXPECT_TRUE(all_close("collab output", y, collab_ref(w, o, xq, xk, B, pad).output, default_tolerance<T>()));
     }
   }
   {
     headmix::LshWeights<T> w;
-    w.qk = rand_linear<T>(rng, 4, D, false), w.v = rand_linear<T>(rng, 4, D), w.o = rand_linear<T>(rng, 3, 4);
+    w.qk = random_linear<T>(rng, 4, D, false), w.v = random_linear<T>(rng, 4, D), w.o = random_linear<T>(rng, 3, 4);
     headmix::LshOptions o;
     o.num_heads = 2, o.bucket_size = 2, o.n_hashes = 3, o.seed = 3;
     headmix::Workspace<T> ws;
@@ -831,7 +766,7 @@ TYPED_TEST(Extremes, SingleQuery) {
       const auto out = affine(w.o, affine(w.v, row_of(xq, b)));
       want.insert(want.end(), out.begin(), out.end());
     }
-    EXPECT_TRUE(agrees("lsh output", y, want, dense_tol<T>()));
+    EXPECT_TRUE(all_close("lsh output", y, want, default_tolerance<T>()));
   }
   {
     const headmix::DcmhaWeights<T> w = dcmha_weights<T>(rng, D, 4, 2, 1, 3, 2, 2, 3, true);
@@ -842,11 +777,11 @@ TYPED_TEST(Extremes, SingleQuery) {
     Tensor<T> probs;
     const Tensor<T> y = layer.forward({{xq.data(), B, 1, D}, {}, {}}, ws, &probs);
     const auto want = dcmha_ref(w, o, xq, B);
-    EXPECT_TRUE(agrees("dcmha output", y, want.output, dcmha_tol<T>()));
-    EXPECT_TRUE(agrees("dcmha weights", probs, want.probs, dcmha_tol<T>()));
+    EXPECT_TRUE(all_close("dcmha output", y, want.output, dcmha_tolerance<T>()));
+    EXPECT_TRUE(all_close("dcmha weights", probs, want.probs, dcmha_tolerance<T>()));
     headmix::SequenceCache<T> cache(B, 1);
     const Tensor<T> stepped = layer.step({xq.data(), B, 1, D}, cache, ws);
-    EXPECT_TRUE(agrees("dcmha step", stepped, want.output, dcmha_tol<T>()));
+    EXPECT_TRUE(all_close("dcmha step", stepped, want.output, dcmha_tolerance<T>()));
   }
 }
 
@@ -861,7 +796,7 @@ TYPED_TEST(Extremes, FullyMaskedRows) {
   using T = TypeParam;
   Rng rng(14);
   const Index B = 3, T_ = 6, S = 5, D = 4, Dkv = 3, Out = 4;
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   std::vector<std::uint8_t> pad(B * S, 0);
   std::fill(pad.begin() + S, pad.begin() + 2 * S, 1);
   const headmix::AttentionInput<T> in{{xq.data(), B, T_, D}, {xk.data(), B, S, Dkv}, {pad.data(), B, S}};
@@ -879,47 +814,47 @@ TYPED_TEST(Extremes, FullyMaskedRows) {
       }
   };
   {
-    headmix::MhaWeights<T> w{rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 6, Dkv), rand_linear<T>(rng, 4, Dkv),
-                             rand_linear<T>(rng, Out, 4)};
+    headmix::MhaWeights<T> w{random_linear<T>(rng, 6, D), random_linear<T>(rng, 6, Dkv), random_linear<T>(rng, 4, Dkv),
+                             random_linear<T>(rng, Out, 4)};
     headmix::MhaOptions o;
     o.num_heads = 2, o.causal = true, o.causal_offset = -2, o.block_rows = 4, o.threads = 2;
     headmix::Workspace<T> ws;
     Tensor<T> probs;
     const Tensor<T> y = headmix::Mha<T>(w, o).forward(in, ws, &probs);
     expect_bias_rows("mha", y, probs, w.o.bias, 2);
-    EXPECT_TRUE(agrees("mha output", y, mha_ref(w, o, xq, &xk, B, pad).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("mha output", y, mha_ref(w, o, xq, &xk, B, pad).output, default_tolerance<T>()));
   }
   {
     headmix::TalkingHeadsWeights<T> w;
-    w.q = rand_linear<T>(rng, 4, D), w.k = rand_linear<T>(rng, 4, Dkv), w.v = rand_linear<T>(rng, 6, Dkv);
-    w.o = rand_linear<T>(rng, Out, 6), w.pre_softmax = rand_matrix<T>(rng, 3, 2), w.post_softmax = rand_matrix<T>(rng, 3, 3);
+    w.q = random_linear<T>(rng, 4, D), w.k = random_linear<T>(rng, 4, Dkv), w.v = random_linear<T>(rng, 6, Dkv);
+    w.o = random_linear<T>(rng, Out, 6), w.pre_softmax = random_matrix<T>(rng, 3, 2, 1.0), w.post_softmax = random_matrix<T>(rng, 3, 3, 1.0);
     headmix::TalkingHeadsOptions o;
     o.num_heads = 3, o.key_heads = 2, o.causal = true, o.causal_offset = -2, o.block_rows = 4;
     headmix::Workspace<T> ws;
     Tensor<T> probs;
     const Tensor<T> y = headmix::TalkingHeads<T>(w, o).forward(in, ws, &probs);
     expect_bias_rows("talking_heads", y, probs, w.o.bias, 3);
-    EXPECT_TRUE(agrees("talking_heads output", y, th_ref(w, o, xq, xk, B, pad).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("talking_heads output", y, th_ref(w, o, xq, xk, B, pad).output, default_tolerance<T>()));
   }
   {
     headmix::CollabHeadWeights<T> w;
-    w.q = rand_matrix<T>(rng, 4, D), w.k = rand_matrix<T>(rng, 4, Dkv), w.mixing = rand_matrix<T>(rng, 2, 4);
-    w.content_bias = rand_matrix<T>(rng, 2, Dkv);
-    w.v = rand_linear<T>(rng, 4, Dkv), w.o = rand_linear<T>(rng, Out, 4);
+    w.q = random_matrix<T>(rng, 4, D, 1.0), w.k = random_matrix<T>(rng, 4, Dkv, 1.0), w.mixing = random_matrix<T>(rng, 2, 4, 1.0);
+    w.content_bias = random_matrix<T>(rng, 2, Dkv, 1.0);
+    w.v = random_linear<T>(rng, 4, Dkv), w.o = random_linear<T>(rng, Out, 4);
     headmix::CollabHeadOptions o;
     o.num_heads = 2, o.causal = true, o.causal_offset = -2, o.block_rows = 4;
     headmix::Workspace<T> ws;
     Tensor<T> probs;
     const Tensor<T> y = headmix::CollabHead<T>(w, o).forward(in, ws, &probs);
     expect_bias_rows("collab", y, probs, w.o.bias, 2);
-    w.layer_norm.weight = rand_matrix<T>(rng, D, 1), w.layer_norm.bias = rand_matrix<T>(rng, D, 1);
+    w.layer_norm.weight = random_matrix<T>(rng, D, 1, 1.0), w.layer_norm.bias = random_matrix<T>(rng, D, 1, 1.0);
     const Tensor<T> ln = headmix::CollabHead<T>(w, o).forward(in, ws);
     EXPECT_TRUE(all_finite("collab layer_norm", ln));
-    EXPECT_TRUE(agrees("collab layer_norm output", ln, collab_ref(w, o, xq, xk, B, pad).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("collab layer_norm output", ln, collab_ref(w, o, xq, xk, B, pad).output, default_tolerance<T>()));
   }
   {  // DCMHA, self-attention: item 1 fully padded
     const Index Tq = 5;
-    const Matrix<T> x = rand_matrix<T>(rng, B * Tq, D);
+    const Matrix<T> x = random_matrix<T>(rng, B * Tq, D, 1.0);
     std::vector<std::uint8_t> p(B * Tq, 0);
     std::fill(p.begin() + Tq, p.begin() + 2 * Tq, 1);
     const headmix::DcmhaWeights<T> w = dcmha_weights<T>(rng, D, 4, 2, 2, 3, 2, 2, Out, true);
@@ -933,22 +868,22 @@ TYPED_TEST(Extremes, FullyMaskedRows) {
       for (Index c = 0; c < Out; ++c) EXPECT_EQ(y[(1 * Tq + i) * Out + c], w.o.bias(c)) << "dcmha row " << i;
     for (Index h = 0; h < 4; ++h)
       for (Index e = 0; e < Tq * Tq; ++e) EXPECT_EQ(probs[(1 * 4 + h) * Tq * Tq + e], T(0));
-    EXPECT_TRUE(agrees("dcmha output", y, dcmha_ref(w, o, x, B, p).output, dcmha_tol<T>()));
+    EXPECT_TRUE(all_close("dcmha output", y, dcmha_ref(w, o, x, B, p).output, dcmha_tolerance<T>()));
   }
   {  // LSH, item 1 fully padded
     const Index Tq = 8;
-    const Matrix<T> x = rand_matrix<T>(rng, B * Tq, D);
+    const Matrix<T> x = random_matrix<T>(rng, B * Tq, D, 1.0);
     std::vector<std::uint8_t> p(B * Tq, 0);
     std::fill(p.begin() + Tq, p.begin() + 2 * Tq, 1);
     headmix::LshWeights<T> w;
-    w.qk = rand_linear<T>(rng, 4, D, false), w.v = rand_linear<T>(rng, 4, D, false), w.o = rand_linear<T>(rng, Out, 4);
+    w.qk = random_linear<T>(rng, 4, D, false), w.v = random_linear<T>(rng, 4, D, false), w.o = random_linear<T>(rng, Out, 4);
     headmix::LshOptions o;
     o.num_heads = 2, o.bucket_size = 2, o.n_hashes = 2;
     safe_rotations(rng, w, o, x, B, p, 4);
     headmix::Workspace<T> ws;
     const Tensor<T> y = headmix::Lsh<T>(w, o).forward({{x.data(), B, Tq, D}, {}, {p.data(), B, Tq}}, ws);
     EXPECT_TRUE(all_finite("lsh", y));
-    EXPECT_TRUE(agrees("lsh output", y, lsh_ref(w, o, x, B, p).output, dense_tol<T>()));
+    EXPECT_TRUE(all_close("lsh output", y, lsh_ref(w, o, x, B, p).output, default_tolerance<T>()));
   }
 }
 
@@ -960,10 +895,10 @@ TYPED_TEST(Extremes, CausalOffsetsAtTheEndsOfTheRange) {
   using T = TypeParam;
   Rng rng(15);
   const Index B = 2, T_ = 5, S = 6, D = 4, Dkv = 3, Out = 3;
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   const headmix::AttentionInput<T> in{{xq.data(), B, T_, D}, {xk.data(), B, S, Dkv}, {}};
-  const headmix::MhaWeights<T> w{rand_linear<T>(rng, 4, D), rand_linear<T>(rng, 4, Dkv), rand_linear<T>(rng, 4, Dkv),
-                                 rand_linear<T>(rng, Out, 4)};
+  const headmix::MhaWeights<T> w{random_linear<T>(rng, 4, D), random_linear<T>(rng, 4, Dkv), random_linear<T>(rng, 4, Dkv),
+                                 random_linear<T>(rng, Out, 4)};
   headmix::MhaOptions o;
   o.num_heads = 2, o.block_rows = 2;
   headmix::Workspace<T> ws;
@@ -972,7 +907,7 @@ TYPED_TEST(Extremes, CausalOffsetsAtTheEndsOfTheRange) {
   o.causal = true;
   o.causal_offset = std::numeric_limits<Index>::max();
   const Tensor<T> all_visible = headmix::Mha<T>(w, o).forward(in, ws);
-  EXPECT_TRUE(agrees("offset max", all_visible, widen(open.data(), open.size()), dense_tol<T>()));
+  EXPECT_TRUE(all_close("offset max", all_visible, widen(open.data(), open.size()), default_tolerance<T>()));
   EXPECT_EQ(headmix::Mha<T>(w, o).flops(B, T_, S).attention_macs, open_flops.attention_macs);
   o.causal_offset = std::numeric_limits<Index>::min();
   const Tensor<T> none_visible = headmix::Mha<T>(w, o).forward(in, ws);
@@ -998,22 +933,22 @@ TYPED_TEST(Extremes, CausalOffsetsAtTheEndsOfTheRange) {
 // 65536-term sums).
 
 template <class T>
-Tol long_weight_tol() {
-  return std::is_same_v<T, float> ? Tol{1e-4, 1e-10} : Tol{1e-9, 1e-14};
+Tolerance long_weight_tol() {
+  return std::is_same_v<T, float> ? Tolerance{1e-4, 1e-10} : Tolerance{1e-9, 1e-14};
 }
 template <class T>
-Tol long_output_tol() {
-  return std::is_same_v<T, float> ? Tol{1e-4, 1e-5} : Tol{1e-9, 1e-12};
+Tolerance long_output_tol() {
+  return std::is_same_v<T, float> ? Tolerance{1e-4, 1e-5} : Tolerance{1e-9, 1e-12};
 }
 
 TYPED_TEST(Extremes, MhaRowOf65536Keys) {
   using T = TypeParam;
   Rng rng(16);
   const Index B = 1, T_ = 4, S = 65536, D = 4, Dkv = 4, H = 2, Out = 3;
-  headmix::MhaWeights<T> w{rand_linear<T>(rng, H * 2, D), rand_linear<T>(rng, H * 2, Dkv), rand_linear<T>(rng, H * 2, Dkv),
-                           rand_linear<T>(rng, Out, H * 2)};
+  headmix::MhaWeights<T> w{random_linear<T>(rng, H * 2, D), random_linear<T>(rng, H * 2, Dkv), random_linear<T>(rng, H * 2, Dkv),
+                           random_linear<T>(rng, Out, H * 2)};
   w.q.weight *= T(8);  // logits spread over about ±30: the max subtraction matters
-  const Matrix<T> xq = rand_matrix<T>(rng, B * T_, D), xk = rand_matrix<T>(rng, B * S, Dkv);
+  const Matrix<T> xq = random_matrix<T>(rng, B * T_, D, 1.0), xk = random_matrix<T>(rng, B * S, Dkv, 1.0);
   std::vector<std::uint8_t> pad(B * S, 0);
   for (Index j = 0; j < S; j += 5) pad[static_cast<std::size_t>(j)] = 1;
   headmix::MhaOptions o;
@@ -1026,8 +961,8 @@ TYPED_TEST(Extremes, MhaRowOf65536Keys) {
   const Tensor<T> y = headmix::Mha<T>(w, o).forward(in, ws, &probs);
   const auto want = mha_ref(w, o, xq, &xk, B, pad);
   EXPECT_TRUE(all_finite("output", y));
-  EXPECT_TRUE(agrees("weights", probs, want.probs, long_weight_tol<T>()));
-  EXPECT_TRUE(agrees("output", y, want.output, long_output_tol<T>()));
+  EXPECT_TRUE(all_close("weights", probs, want.probs, long_weight_tol<T>()));
+  EXPECT_TRUE(all_close("output", y, want.output, long_output_tol<T>()));
   for (Index r = 0; r < B * H * T_; ++r) {
     double sum = 0;
     for (Index j = 0; j < S; ++j) sum += static_cast<double>(probs[r * S + j]);
@@ -1059,7 +994,7 @@ TYPED_TEST(Extremes, MhaRowOf65536Keys) {
     const auto out = affine(w.o, mean);
     want_u.insert(want_u.end(), out.begin(), out.end());
   }
-  EXPECT_TRUE(agrees("uniform output", yu, want_u, long_output_tol<T>()));
+  EXPECT_TRUE(all_close("uniform output", yu, want_u, long_output_tol<T>()));
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 //           logit error passes at most twice over into a weight.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "reference/lsh_reference.hpp"
 
 #include <gtest/gtest.h>
@@ -38,23 +39,14 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Random problems
-
-double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-
-template <class T>
-Matrix<T> normal_matrix(Rng& rng, Index rows, Index cols, double stddev) {
-  std::normal_distribution<double> n(0.0, stddev);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(n(rng));
-  return m;
-}
 
 /// One test problem, the weights distributed as in lsh.md section 9.
 struct Shape {
@@ -83,20 +75,7 @@ std::string describe(const Shape& s) {
 
 template <class T>
 headmix_ref::LshRefLinear to_ref(const headmix::Linear<T>& lin) {
-  headmix_ref::LshRefLinear r;
-  if (lin.empty()) return r;
-  r.out = static_cast<int>(lin.weight.rows());
-  r.in = static_cast<int>(lin.weight.cols());
-  for (Index i = 0; i < lin.weight.size(); ++i) r.weight.push_back(static_cast<double>(lin.weight.data()[i]));
-  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
-  return r;
-}
-
-template <class T>
-std::vector<double> to_vector(const T* data, Index n) {
-  std::vector<double> v(static_cast<std::size_t>(n));
-  for (Index i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = static_cast<double>(data[i]);
-  return v;
+  return ref_linear_as<headmix_ref::LshRefLinear>(lin);
 }
 
 template <class T>
@@ -127,7 +106,7 @@ struct Problem {
     return in;
   }
   headmix_ref::LshRefWeights ref_weights() const {
-    return {to_ref(w.qk), to_ref(w.v), to_ref(w.o), to_vector(w.rotations.data(), w.rotations.size())};
+    return {to_ref(w.qk), to_ref(w.v), to_ref(w.o), widen(w.rotations.data(), w.rotations.size())};
   }
   headmix_ref::LshRefOptions ref_options() const {
     headmix_ref::LshRefOptions o;
@@ -144,12 +123,12 @@ struct Problem {
   headmix_ref::LshRefResult reference(bool hash_only = false, bool per_round_count = false) const {
     auto o = ref_options();
     o.per_round_duplicate_count = per_round_count;
-    return headmix_ref::lsh_reference(ref_weights(), o, s.B, s.T, s.D, to_vector(x.data(), x.size()), padding,
+    return headmix_ref::lsh_reference(ref_weights(), o, s.B, s.T, s.D, widen(x.data(), x.size()), padding,
                                       hash_only);
   }
   headmix_ref::LshRefResult full_reference() const {
     return headmix_ref::full_shared_qk_reference(ref_weights(), ref_options(), s.B, s.T, s.D,
-                                                 to_vector(x.data(), x.size()), padding);
+                                                 widen(x.data(), x.size()), padding);
   }
 };
 
@@ -213,49 +192,6 @@ template <class T>
 Result<T> run(const Problem<T>& p, bool with_probs = true) {
   headmix::Workspace<T> ws;
   return run(p, ws, with_probs);
-}
-
-struct Tolerance {
-  double rtol, atol;
-};
-template <class T>
-Tolerance default_tolerance() {
-  return std::is_same_v<T, float> ? Tolerance{2e-4, 2e-5} : Tolerance{1e-10, 1e-12};
-}
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                     Tolerance tol) {
-  if (n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
-  std::size_t bad = 0, first = 0;
-  double worst = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
-    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
-    if (!(err <= allowed)) {  // also catches NaN
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
-                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
-                                       << want[first] << "; worst error / allowed = " << worst;
-}
-template <class T>
-::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
-                                     Tolerance tol) {
-  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
-
-template <class T>
-::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
-  for (Index i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
-      return ::testing::AssertionFailure() << what << ": first difference at " << i << ": " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
 }
 
 template <class T>
@@ -809,30 +745,7 @@ TEST(LshRotations, StreamDependsOnlyOnSeedAndIndex) {
 // BadInput: every mismatch throws shape_error whose message names the
 // variant, the argument and both shapes.
 
-template <class Fn>
-std::string shape_error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not a shape_error: ") + e.what() + ">";
-  }
-  return "<no exception>";
-}
-
-::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
-  for (const auto& part : parts)
-    if (message.find(part) == std::string::npos)
-      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
-  return ::testing::AssertionSuccess() << message;
-}
-
-#define EXPECT_SHAPE_ERROR(call, ...)                                                  \
-  do {                                                                                 \
-    EXPECT_THROW(call, headmix::shape_error);                                          \
-    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[lsh]", __VA_ARGS__})); \
-  } while (0)
+#define EXPECT_SHAPE_ERROR(call, ...) HEADMIX_EXPECT_SHAPE_ERROR_IN("[lsh]", call, __VA_ARGS__)
 
 // A valid setup (dh != D / H, dv != dh, out != D, explicit rotations); each
 // test breaks exactly one thing.

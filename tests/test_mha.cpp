@@ -16,6 +16,7 @@
 // The 1e4-logit test loosens float further; its bound is derived there.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "reference/mha_reference.hpp"
 
 #include <gtest/gtest.h>
@@ -32,33 +33,14 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Random problems
-
-double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-int uniform_int(Rng& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
-
-template <class T>
-Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
-  Matrix<T> m(rows, cols);
-  for (Index r = 0; r < rows; ++r)
-    for (Index c = 0; c < cols; ++c) m(r, c) = static_cast<T>(uniform(rng, -bound, bound));
-  return m;
-}
-
-// Weights bounded by 1/sqrt(fan_in), like torch's init, so every activation stays O(1).
-template <class T>
-headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
-  headmix::Linear<T> lin;
-  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
-  return lin;
-}
 
 /// One test problem. Self-attention forces S = T and Dkv = D.
 struct Shape {
@@ -87,25 +69,13 @@ std::string describe(const Shape& s) {
 
 template <class T>
 headmix_ref::RefLinear to_ref(const headmix::Linear<T>& lin) {
-  headmix_ref::RefLinear r;
-  r.out = static_cast<int>(lin.weight.rows());
-  r.in = static_cast<int>(lin.weight.cols());
-  for (Index i = 0; i < lin.weight.rows(); ++i)
-    for (Index j = 0; j < lin.weight.cols(); ++j) r.weight.push_back(static_cast<double>(lin.weight(i, j)));
-  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
-  return r;
+  return ref_linear_as<headmix_ref::RefLinear>(lin);
 }
 
 // A [batch * length, width] matrix as the reference's batch.
 template <class T>
 headmix_ref::RefBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  headmix_ref::RefBatch r;
-  r.batch = batch;
-  r.length = static_cast<int>(m.rows()) / batch;
-  r.width = static_cast<int>(m.cols());
-  for (Index i = 0; i < m.rows(); ++i)
-    for (Index j = 0; j < m.cols(); ++j) r.data.push_back(static_cast<double>(m(i, j)));
-  return r;
+  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
 }
 
 template <class T>
@@ -185,52 +155,6 @@ template <class T>
 Result<T> run(const Problem<T>& p) {
   headmix::Workspace<T> ws;
   return run(p, ws);
-}
-
-struct Tolerance {
-  double rtol, atol;
-};
-template <class T>
-Tolerance default_tolerance();
-template <>
-Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
-template <>
-Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                     Tolerance tol) {
-  if (n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
-  std::size_t bad = 0, first = 0;
-  double worst = 0;  // largest |got - want| / (atol + rtol|want|)
-  for (std::size_t i = 0; i < n; ++i) {
-    const double g = static_cast<double>(got[i]), err = std::abs(g - want[i]);
-    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
-    if (!(err <= allowed)) {  // also catches NaN
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
-                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
-                                       << want[first] << "; worst error is " << worst << "x the tolerance";
-}
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
-                                     Tolerance tol) {
-  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
-
-template <class T>
-::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
-  for (Index i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
-      return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
 }
 
 // The reference gives masked keys exactly 0 (and float underflows before
@@ -656,31 +580,7 @@ TYPED_TEST(MhaTest, FlopsEqualReferenceCount) {
 // BadInput: every mismatch throws shape_error whose message names the
 // variant, the argument and both shapes.
 
-// What `fn` threw, or why it is not a shape_error.
-template <class Fn>
-std::string shape_error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not a shape_error: ") + e.what() + ">";
-  }
-  return "<no exception>";
-}
-
-::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
-  for (const auto& part : parts)
-    if (message.find(part) == std::string::npos)
-      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
-  return ::testing::AssertionSuccess() << message;
-}
-
-#define EXPECT_SHAPE_ERROR(call, ...)                                              \
-  do {                                                                             \
-    EXPECT_THROW(call, headmix::shape_error);                                      \
-    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[mha]", __VA_ARGS__})); \
-  } while (0)
+#define EXPECT_SHAPE_ERROR(call, ...) HEADMIX_EXPECT_SHAPE_ERROR_IN("[mha]", call, __VA_ARGS__)
 
 // A valid cross-attention setup (D != Dkv, Dk != Dv, out != D); each test
 // breaks exactly one thing.

@@ -19,6 +19,7 @@
 // Tests with other bounds derive them where they are used.
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 #include "reference/mha_reference.hpp"
 #include "reference/talking_heads_reference.hpp"
 
@@ -38,33 +39,14 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 // ---------------------------------------------------------------------------
 // Random problems
-
-double uniform(Rng& rng, double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
-int uniform_int(Rng& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
-
-template <class T>
-Matrix<T> random_matrix(Rng& rng, Index rows, Index cols, double bound) {
-  Matrix<T> m(rows, cols);
-  for (Index r = 0; r < rows; ++r)
-    for (Index c = 0; c < cols; ++c) m(r, c) = static_cast<T>(uniform(rng, -bound, bound));
-  return m;
-}
-
-// Bounded by 1/sqrt(fan_in) like torch's init, so activations stay O(1).
-template <class T>
-headmix::Linear<T> random_linear(Rng& rng, int out, int in, bool bias) {
-  headmix::Linear<T> lin;
-  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) lin.bias = random_matrix<T>(rng, out, 1, 0.5);
-  return lin;
-}
 
 /// One test problem. Self-attention forces S = T and Dkv = D. A missing mix
 /// needs equal head counts on its two sides; make_problem enforces that.
@@ -96,21 +78,8 @@ std::string describe(const Shape& s) {
 }
 
 template <class T>
-std::vector<double> widen(const Matrix<T>& m) {
-  std::vector<double> r;
-  for (Index i = 0; i < m.rows(); ++i)
-    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
-  return r;
-}
-
-template <class T>
 headmix_ref::RefThLinear to_ref(const headmix::Linear<T>& lin) {
-  headmix_ref::RefThLinear r;
-  r.out = static_cast<int>(lin.weight.rows());
-  r.in = static_cast<int>(lin.weight.cols());
-  r.weight = widen(lin.weight);
-  for (Index i = 0; i < lin.bias.size(); ++i) r.bias.push_back(static_cast<double>(lin.bias(i)));
-  return r;
+  return ref_linear_as<headmix_ref::RefThLinear>(lin);
 }
 
 template <class T>
@@ -120,7 +89,7 @@ headmix_ref::RefMix to_ref_mix(const Matrix<T>& m) {
 
 template <class T>
 headmix_ref::RefThBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  return {batch, static_cast<int>(m.rows()) / batch, static_cast<int>(m.cols()), widen(m)};
+  return ref_batch_as<headmix_ref::RefThBatch>(m, batch);
 }
 
 template <class T>
@@ -210,52 +179,6 @@ template <class T>
 Result<T> run(const Problem<T>& p) {
   headmix::Workspace<T> ws;
   return run(p, ws);
-}
-
-struct Tolerance {
-  double rtol, atol;
-};
-template <class T>
-Tolerance default_tolerance();
-template <>
-Tolerance default_tolerance<double>() { return {1e-10, 1e-12}; }
-template <>
-Tolerance default_tolerance<float>() { return {2e-4, 2e-5}; }
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                     Tolerance tol) {
-  if (n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
-  std::size_t bad = 0, first = 0;
-  double worst = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
-    const double allowed = tol.atol + tol.rtol * std::abs(want[i]);
-    if (!(err <= allowed)) {  // NaN fails too
-      if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
-                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
-                                       << want[first] << "; worst error is " << worst << "x the tolerance";
-}
-
-template <class T>
-::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
-                                     Tolerance tol) {
-  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
-}
-
-template <class T>
-::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
-  for (Index i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
-      return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
 }
 
 template <class T>
@@ -939,30 +862,7 @@ TYPED_TEST(TalkingHeadsTest, FusedMixSoftmaxMixMatchesLoopsForAnyChunk) {
 // variants' so that ctest names stay unique): every mismatch throws
 // shape_error naming the variant, the argument and both shapes.
 
-template <class Fn>
-std::string shape_error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<not a shape_error: ") + e.what() + ">";
-  }
-  return "<no exception>";
-}
-
-::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
-  for (const auto& part : parts)
-    if (message.find(part) == std::string::npos)
-      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
-  return ::testing::AssertionSuccess() << message;
-}
-
-#define EXPECT_SHAPE_ERROR(call, ...)                                                          \
-  do {                                                                                         \
-    EXPECT_THROW(call, headmix::shape_error);                                                  \
-    EXPECT_TRUE(mentions(shape_error_message([&] { call; }), {"[talking_heads]", __VA_ARGS__})); \
-  } while (0)
+#define EXPECT_SHAPE_ERROR(call, ...) HEADMIX_EXPECT_SHAPE_ERROR_IN("[talking_heads]", call, __VA_ARGS__)
 
 // A valid cross-attention setup with three different head counts (D != Dkv,
 // Dk != Dv, out != D); each test breaks exactly one thing.

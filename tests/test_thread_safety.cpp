@@ -17,6 +17,7 @@
 // preset's ctest runs only the tests whose names contain "ThreadSafety").
 
 #include "headmix/headmix.hpp"
+#include "test_util.hpp"
 
 #include <gtest/gtest.h>
 
@@ -33,35 +34,14 @@
 
 namespace {
 
+using namespace headmix_test;
+
 using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
-using Rng = std::mt19937;
 
 constexpr int kCallers = 4;  // concurrent caller threads
 constexpr int kRounds = 3;   // times each caller runs every call
-
-template <class T>
-Matrix<T> rand_matrix(Rng& rng, Index rows, Index cols, double bound = 1.0) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Matrix<T> m(rows, cols);
-  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(u(rng));
-  return m;
-}
-template <class T>
-Tensor<T> rand_tensor(Rng& rng, std::vector<Index> shape, double bound) {
-  std::uniform_real_distribution<double> u(-bound, bound);
-  Tensor<T> t(std::move(shape));
-  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(u(rng));
-  return t;
-}
-template <class T>
-headmix::Linear<T> rand_linear(Rng& rng, Index out, Index in, bool bias = true) {
-  headmix::Linear<T> l;
-  l.weight = rand_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
-  if (bias) l.bias = rand_matrix<T>(rng, out, 1, 0.5);
-  return l;
-}
 
 // The inputs of one call: queries [B, T, D], optional keys [B, S, Dkv],
 // optional padding [B, S].
@@ -89,8 +69,8 @@ std::vector<Input<T>> inputs(Rng& rng, Index D, Index Dkv, bool cross, std::vect
   for (std::size_t i = 0; i < lengths.size(); ++i) {
     Input<T> in;
     in.B = batches[i % 3], in.L = lengths[i], in.S = cross ? lengths[i] + 3 : lengths[i];
-    in.xq = rand_matrix<T>(rng, in.B * in.L, D);
-    if (cross) in.xk = rand_matrix<T>(rng, in.B * in.S, Dkv);
+    in.xq = random_matrix<T>(rng, in.B * in.L, D, 1.0);
+    if (cross) in.xk = random_matrix<T>(rng, in.B * in.S, Dkv, 1.0);
     if (i == 1) {
       in.padding.assign(static_cast<std::size_t>(in.B * in.S), 0);
       for (std::size_t k = 0; k < in.padding.size(); k += 3) in.padding[k] = 1;
@@ -112,6 +92,16 @@ Tensor<T> joined(const Tensor<T>& a, const Tensor<T>& b) {
   std::copy_n(a.data(), a.size(), t.data());
   std::copy_n(b.data(), b.size(), t.data() + a.size());
   return t;
+}
+
+// A call of layer.forward on `in`: its output and weights, joined.
+template <class T, class Layer>
+Call<T> forward_with_probs(const Layer& layer, const Input<T>& in) {
+  return [&layer, &in](headmix::Workspace<T>& ws) {
+    Tensor<T> probs;
+    const Tensor<T> y = layer.forward(in.view(), ws, &probs);
+    return joined(y, probs);
+  };
 }
 
 bool same_bits(const void* a, const void* b, std::size_t bytes) { return bytes == 0 || std::memcmp(a, b, bytes) == 0; }
@@ -206,23 +196,19 @@ TYPED_TEST(ThreadSafety, Mha) {
   for (int threads : {1, 2}) {
     Rng rng(1);
     const Index D = 12, Dkv = 7, H = 3;
-    const headmix::MhaWeights<T> w{rand_linear<T>(rng, H * 4, D), rand_linear<T>(rng, H * 4, Dkv),
-                                   rand_linear<T>(rng, H * 3, Dkv), rand_linear<T>(rng, 10, H * 3)};
+    const headmix::MhaWeights<T> w{random_linear<T>(rng, H * 4, D), random_linear<T>(rng, H * 4, Dkv),
+                                   random_linear<T>(rng, H * 3, Dkv), random_linear<T>(rng, 10, H * 3)};
     headmix::MhaOptions o;
     o.num_heads = H, o.causal = true, o.causal_offset = 2, o.block_rows = 8, o.threads = threads;
     const headmix::Mha<T> cross(w, o);
-    const headmix::MhaWeights<T> w_self{rand_linear<T>(rng, H * 4, D), rand_linear<T>(rng, H * 4, D),
-                                        rand_linear<T>(rng, H * 3, D), rand_linear<T>(rng, 10, H * 3)};
+    const headmix::MhaWeights<T> w_self{random_linear<T>(rng, H * 4, D), random_linear<T>(rng, H * 4, D),
+                                        random_linear<T>(rng, H * 3, D), random_linear<T>(rng, 10, H * 3)};
     const headmix::Mha<T> self(w_self, o);
     const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
     const auto selfs = inputs<T>(rng, D, D, false, {30, 11});
     std::vector<Call<T>> calls;
     for (const auto& in : xs)
-      calls.push_back([&](headmix::Workspace<T>& w_) {
-        Tensor<T> probs;
-        const Tensor<T> y = cross.forward(in.view(), w_, &probs);
-        return joined(y, probs);
-      });
+      calls.push_back(forward_with_probs<T>(cross, in));
     for (const auto& in : selfs)
       calls.push_back([&](headmix::Workspace<T>& w_) {
         headmix::SequenceCache<T> cache(in.B, in.L);
@@ -240,20 +226,16 @@ TYPED_TEST(ThreadSafety, TalkingHeads) {
     Rng rng(2);
     const Index D = 10, Dkv = 6, hk = 2, h = 4, hv = 3;
     headmix::TalkingHeadsWeights<T> w;
-    w.q = rand_linear<T>(rng, hk * 4, D), w.k = rand_linear<T>(rng, hk * 4, Dkv), w.v = rand_linear<T>(rng, hv * 3, Dkv);
-    w.o = rand_linear<T>(rng, 9, hv * 3);
-    w.pre_softmax = rand_matrix<T>(rng, h, hk), w.post_softmax = rand_matrix<T>(rng, hv, h);
+    w.q = random_linear<T>(rng, hk * 4, D), w.k = random_linear<T>(rng, hk * 4, Dkv), w.v = random_linear<T>(rng, hv * 3, Dkv);
+    w.o = random_linear<T>(rng, 9, hv * 3);
+    w.pre_softmax = random_matrix<T>(rng, h, hk, 1.0), w.post_softmax = random_matrix<T>(rng, hv, h, 1.0);
     headmix::TalkingHeadsOptions o;
     o.num_heads = h, o.key_heads = hk, o.value_heads = hv, o.causal = true, o.block_rows = 8, o.threads = threads;
     const headmix::TalkingHeads<T> layer(w, o);
     const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
     std::vector<Call<T>> calls;
     for (const auto& in : xs)
-      calls.push_back([&](headmix::Workspace<T>& ws) {
-        Tensor<T> probs;
-        const Tensor<T> y = layer.forward(in.view(), ws, &probs);
-        return joined(y, probs);
-      });
+      calls.push_back(forward_with_probs<T>(layer, in));
     expect_concurrent_equals_serial<T>("talking_heads threads=" + std::to_string(threads), calls);
   }
 }
@@ -264,22 +246,18 @@ TYPED_TEST(ThreadSafety, CollabHead) {
     Rng rng(3);
     const Index D = 10, Dkv = 6, H = 3, R = 9;
     headmix::CollabHeadWeights<T> w;
-    w.q = rand_matrix<T>(rng, R, D, 0.3), w.k = rand_matrix<T>(rng, R, Dkv, 0.4), w.mixing = rand_matrix<T>(rng, H, R);
+    w.q = random_matrix<T>(rng, R, D, 0.3), w.k = random_matrix<T>(rng, R, Dkv, 0.4), w.mixing = random_matrix<T>(rng, H, R, 1.0);
     w.mixing(1, 0) = w.mixing(1, 8) = T(0);  // a head with a narrower span
-    w.content_bias = rand_matrix<T>(rng, H, Dkv, 0.4);
-    w.v = rand_linear<T>(rng, H * 2, Dkv), w.o = rand_linear<T>(rng, D, H * 2);
-    w.layer_norm.weight = rand_matrix<T>(rng, D, 1), w.layer_norm.bias = rand_matrix<T>(rng, D, 1);
+    w.content_bias = random_matrix<T>(rng, H, Dkv, 0.4);
+    w.v = random_linear<T>(rng, H * 2, Dkv), w.o = random_linear<T>(rng, D, H * 2);
+    w.layer_norm.weight = random_matrix<T>(rng, D, 1, 1.0), w.layer_norm.bias = random_matrix<T>(rng, D, 1, 1.0);
     headmix::CollabHeadOptions o;
     o.num_heads = H, o.causal = true, o.causal_offset = -1, o.block_rows = 8, o.threads = threads;
     const headmix::CollabHead<T> layer(w, o);
     const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
     std::vector<Call<T>> calls;
     for (const auto& in : xs)
-      calls.push_back([&](headmix::Workspace<T>& ws) {
-        Tensor<T> probs;
-        const Tensor<T> y = layer.forward(in.view(), ws, &probs);
-        return joined(y, probs);
-      });
+      calls.push_back(forward_with_probs<T>(layer, in));
     expect_concurrent_equals_serial<T>("collab threads=" + std::to_string(threads), calls);
   }
 }
@@ -290,8 +268,8 @@ TYPED_TEST(ThreadSafety, Lsh) {
     Rng rng(4);
     const Index D = 10, H = 2, dh = 4, dv = 3;
     headmix::LshWeights<T> w;
-    w.qk = rand_linear<T>(rng, H * dh, D, false), w.v = rand_linear<T>(rng, H * dv, D, false);
-    w.o = rand_linear<T>(rng, 8, H * dv);
+    w.qk = random_linear<T>(rng, H * dh, D, false), w.v = random_linear<T>(rng, H * dv, D, false);
+    w.o = random_linear<T>(rng, 8, H * dv);
     headmix::LshOptions o;  // seeded rotations: drawn into each caller's workspace
     o.num_heads = H, o.bucket_size = 4, o.n_hashes = 3, o.causal = true, o.seed = 17, o.threads = threads;
     const headmix::Lsh<T> shared_rotation(w, o);
@@ -300,11 +278,7 @@ TYPED_TEST(ThreadSafety, Lsh) {
     const auto xs = inputs<T>(rng, D, D, false, {37, 20, 53});
     std::vector<Call<T>> calls;
     for (const auto& in : xs) {
-      calls.push_back([&](headmix::Workspace<T>& ws) {
-        Tensor<T> probs;
-        const Tensor<T> y = shared_rotation.forward(in.view(), ws, &probs);
-        return joined(y, probs);
-      });
+      calls.push_back(forward_with_probs<T>(shared_rotation, in));
       calls.push_back([&](headmix::Workspace<T>& ws) { return per_head.forward(in.view(), ws); });
       calls.push_back([&](headmix::Workspace<T>& ws) {
         const Tensor<std::int64_t> b = per_head.buckets(in.view(), ws);
@@ -323,11 +297,11 @@ TYPED_TEST(ThreadSafety, Dcmha) {
     Rng rng(5);
     const Index D = 10, H = 4, G = 2, M = 2, R = 2, K = 5;
     headmix::DcmhaWeights<T> w;
-    w.q = rand_linear<T>(rng, H * 3, D), w.k = rand_linear<T>(rng, H * 3, D), w.v = rand_linear<T>(rng, H * 2, D);
-    w.o = rand_linear<T>(rng, 7, H * 2);
-    w.dw1 = rand_tensor<T>(rng, {D, G, 4, K}, 0.6), w.qkw = rand_tensor<T>(rng, {G, 4, K, 2 * R, M}, 0.45);
-    w.dd = rand_tensor<T>(rng, {D, G, 4 * M}, 0.6);
-    w.pre_w = rand_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = rand_tensor<T>(rng, {G, M, M}, 0.5);
+    w.q = random_linear<T>(rng, H * 3, D), w.k = random_linear<T>(rng, H * 3, D), w.v = random_linear<T>(rng, H * 2, D);
+    w.o = random_linear<T>(rng, 7, H * 2);
+    w.dw1 = random_tensor<T>(rng, {D, G, 4, K}, 0.6), w.qkw = random_tensor<T>(rng, {G, 4, K, 2 * R, M}, 0.45);
+    w.dd = random_tensor<T>(rng, {D, G, 4 * M}, 0.6);
+    w.pre_w = random_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = random_tensor<T>(rng, {G, M, M}, 0.5);
     headmix::DcmhaOptions o;
     o.num_heads = H, o.groups = G, o.rank = R, o.static_w = true, o.causal = true, o.window = 9, o.block_rows = 8;
     o.threads = threads;
@@ -335,11 +309,7 @@ TYPED_TEST(ThreadSafety, Dcmha) {
     const auto xs = inputs<T>(rng, D, D, false, {37, 20, 53});
     std::vector<Call<T>> calls;
     for (const auto& in : xs) {
-      calls.push_back([&](headmix::Workspace<T>& ws) {
-        Tensor<T> probs;
-        const Tensor<T> y = layer.forward(in.view(), ws, &probs);
-        return joined(y, probs);
-      });
+      calls.push_back(forward_with_probs<T>(layer, in));
       if (in.padding.empty())  // step() takes no padding
         calls.push_back([&](headmix::Workspace<T>& ws) {
           headmix::SequenceCache<T> cache(in.B, in.L);

@@ -41,11 +41,11 @@ struct Linear {
   /// checkpoint, not "no projection".
   void check_optional(const std::string& variant, const std::string& name, Index in) const {
     if (empty()) return;
-    if (weight.size() == 0 && weight.rows() == 0 && weight.cols() == 0)
+    if (weight.rows() == 0 && weight.cols() == 0)
       detail::throw_shape(variant, name + ".weight",
                           "[" + std::to_string(bias.size()) + ", " + std::to_string(in) + "] (" + name + ".bias is given)",
                           detail::format_shape(Shape{0, 0}));
-    if (weight.rows() < 1)  // (strings built only when throwing: checks run in allocation-free calls)
+    if (weight.rows() < 1)
       detail::throw_shape(variant, name + ".weight rows (out_dim)", ">= 1", std::to_string(weight.rows()));
     check(variant, name, weight.rows(), in);
   }
@@ -78,11 +78,11 @@ auto with_tensor_prefix(const Source& tensors, const std::string& prefix, Build&
   try {
     return build();
   } catch (const shape_error& e) {
-    const std::string what = e.what();
-    const std::size_t start = what.find("] "), end = what.find_first_of(" :", start + 2);
-    if (prefix.empty() || start == std::string::npos || end == std::string::npos) throw;
-    const std::string arg = what.substr(start + 2, end - start - 2);
-    if (!tensors.contains(prefix + arg)) throw;
+    const std::string what = e.what();  // "[variant] argument: expected ..."
+    const std::size_t start = what.find("] ");
+    if (prefix.empty() || start == std::string::npos) throw;
+    const std::size_t end = what.find_first_of(" :", start + 2);
+    if (end == std::string::npos || !tensors.contains(prefix + what.substr(start + 2, end - start - 2))) throw;
     throw shape_error(what.substr(0, start + 2) + prefix + what.substr(start + 2));
   }
 }

@@ -41,7 +41,8 @@ class SequenceCache {
   /// Keep the first n positions only (rolling back rejected draft tokens,
   /// or re-running a step); later steps overwrite the rest.
   void truncate(Index n) {
-    check_value(n >= 0 && n <= size_, "cache", "truncate length", "0 <= n <= " + std::to_string(size_), n);
+    if (n < 0 || n > size_)
+      detail::throw_shape("cache", "truncate length", "0 <= n <= " + std::to_string(size_), std::to_string(n));
     size_ = n;
   }
 

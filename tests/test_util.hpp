@@ -1,0 +1,293 @@
+// Helpers shared by the unit tests (tests/test_*.cpp): random weights and
+// inputs, widening to double for the naive references, element-wise
+// agreement checks and the shape_error message checks.
+//
+// Every test file is its own executable and includes this header once. The
+// naive references (tests/reference/*.hpp) stay independent of it: the
+// conversions below fill any reference struct with the right field names.
+//
+// Random draws: every helper draws its values one after another in the
+// storage order of what it builds (row-major for headmix::Matrix), one
+// distribution per helper call, so a given seed gives the same values as
+// the per-file helpers these replace.
+#pragma once
+
+// Opt-in (define before including this header): replace the global
+// operator new / delete with malloc / free and count every allocation in
+// headmix_test::allocations(), to check that sized decoding steps allocate
+// nothing. Replacement allocation functions cannot be inline, so only one
+// translation unit per program may define this; every test is one.
+#ifdef HEADMIX_TEST_COUNT_ALLOCATIONS
+#include <atomic>
+#include <cstdlib>
+#include <new>
+namespace headmix_test {
+// Number of calls of the global operator new (and new[]) so far, all threads.
+inline std::atomic<long>& allocations() {
+  static std::atomic<long> n{0};
+  return n;
+}
+}  // namespace headmix_test
+// (GCC cannot see that these replace the global pair, hence the pragma.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t n) {
+  ++headmix_test::allocations();
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return ::operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // HEADMIX_TEST_COUNT_ALLOCATIONS
+
+#include "headmix/headmix.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace headmix_test {
+
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+using headmix::Vector;
+
+// ---------------------------------------------------------------------------
+// Random draws
+
+// The tests' random engine; each test seeds its own.
+using Rng = std::mt19937;
+
+// One draw from U[lo, hi).
+template <class G>
+double uniform(G& rng, double lo, double hi) {
+  return std::uniform_real_distribution<double>(lo, hi)(rng);
+}
+
+// One draw from {lo, ..., hi}.
+template <class G>
+int uniform_int(G& rng, int lo, int hi) {
+  return std::uniform_int_distribution<int>(lo, hi)(rng);
+}
+
+// A [rows, cols] matrix of U[lo, hi) entries, drawn in storage order.
+template <class T, class G>
+Matrix<T> random_matrix(G& rng, Index rows, Index cols, double lo, double hi) {
+  std::uniform_real_distribution<double> u(lo, hi);
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(u(rng));
+  return m;
+}
+// A [rows, cols] matrix of U[-bound, bound) entries.
+template <class T, class G>
+Matrix<T> random_matrix(G& rng, Index rows, Index cols, double bound) {
+  return random_matrix<T>(rng, rows, cols, -bound, bound);
+}
+
+// A length-n vector of U[-bound, bound) entries.
+template <class T, class G>
+Vector<T> random_vector(G& rng, Index n, double bound) {
+  std::uniform_real_distribution<double> u(-bound, bound);
+  Vector<T> v(n);
+  for (Index i = 0; i < n; ++i) v(i) = static_cast<T>(u(rng));
+  return v;
+}
+
+// A tensor of the given shape with U[-bound, bound) entries.
+template <class T, class G>
+Tensor<T> random_tensor(G& rng, std::vector<Index> shape, double bound) {
+  std::uniform_real_distribution<double> u(-bound, bound);
+  Tensor<T> t(std::move(shape));
+  for (Index i = 0; i < t.size(); ++i) t[i] = static_cast<T>(u(rng));
+  return t;
+}
+
+// A [rows, cols] matrix of N(0, stddev²) entries (one distribution for the
+// whole matrix: normal_distribution caches every other draw).
+template <class T, class G>
+Matrix<T> normal_matrix(G& rng, Index rows, Index cols, double stddev = 1.0) {
+  std::normal_distribution<double> n(0.0, stddev);
+  Matrix<T> m(rows, cols);
+  for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<T>(n(rng));
+  return m;
+}
+
+// A [out, in] Linear with weights bounded by 1/sqrt(in), like torch's init,
+// so activations stay O(1); then, if `bias`, a bias of U[-bias_bound, bias_bound).
+template <class T, class G>
+headmix::Linear<T> random_linear(G& rng, Index out, Index in, bool bias = true, double bias_bound = 0.5) {
+  headmix::Linear<T> lin;
+  lin.weight = random_matrix<T>(rng, out, in, 1.0 / std::sqrt(static_cast<double>(in)));
+  if (bias) lin.bias = random_vector<T>(rng, out, bias_bound);
+  return lin;
+}
+
+// ---------------------------------------------------------------------------
+// Widening to double, for the naive references
+
+// n values from `p`, as doubles.
+template <class T>
+std::vector<double> widen(const T* p, Index n) {
+  std::vector<double> r(static_cast<std::size_t>(n));
+  for (Index i = 0; i < n; ++i) r[static_cast<std::size_t>(i)] = static_cast<double>(p[i]);
+  return r;
+}
+// An Eigen matrix or vector, row by row (whatever its storage order).
+template <class Derived>
+std::vector<double> widen(const Eigen::MatrixBase<Derived>& m) {
+  std::vector<double> r;
+  r.reserve(static_cast<std::size_t>(m.size()));
+  for (Index i = 0; i < m.rows(); ++i)
+    for (Index j = 0; j < m.cols(); ++j) r.push_back(static_cast<double>(m(i, j)));
+  return r;
+}
+// A tensor in storage order.
+template <class T>
+std::vector<double> widen(const Tensor<T>& t) {
+  return widen(t.data(), t.size());
+}
+
+// A Linear as a reference struct with fields out, in, weight ([out * in]) and
+// bias ([out] or empty): RefLinear, RefThLinear, LshRefLinear. An empty
+// Linear gives out = in = 0 (the references' "absent").
+template <class Ref, class T>
+Ref ref_linear_as(const headmix::Linear<T>& lin) {
+  Ref r;
+  r.out = static_cast<int>(lin.weight.rows());
+  r.in = static_cast<int>(lin.weight.cols());
+  r.weight = widen(lin.weight);
+  r.bias = widen(lin.bias);
+  return r;
+}
+
+// A [batch * length, width] matrix as a reference batch struct with fields
+// batch, length, width and data: RefBatch, RefThBatch.
+template <class Ref, class T>
+Ref ref_batch_as(const Matrix<T>& m, Index batch) {
+  Ref r;
+  r.batch = static_cast<int>(batch);
+  r.length = static_cast<int>(m.rows() / batch);
+  r.width = static_cast<int>(m.cols());
+  r.data = widen(m);
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Agreement checks
+
+// Element-wise bound |got - want| <= atol + rtol * |want|.
+struct Tolerance {
+  double rtol, atol;
+  Tolerance times(double f) const { return {rtol * f, atol * f}; }
+};
+
+// The dense variants' bound (MHA, Talking-Heads, CollabHead, LSH): a few
+// hundred roundings of O(1) values.
+template <class T>
+Tolerance default_tolerance() {
+  return std::is_same_v<T, float> ? Tolerance{2e-4, 2e-5} : Tolerance{1e-10, 1e-12};
+}
+
+// DCMHA's looser float bound (the dynamic-weight MLP and compositions).
+template <class T>
+Tolerance dcmha_tolerance() {
+  return std::is_same_v<T, float> ? Tolerance{5e-4, 1e-4} : Tolerance{1e-10, 1e-11};
+}
+
+// got[i] for i < n within `tol` of want[at(i)] (of want[i] without `at`, and
+// then n must equal want.size()). NaN never agrees.
+template <class T>
+::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
+                                     Tolerance tol, const std::function<std::size_t(std::size_t)>& at = nullptr) {
+  if (!at && n != want.size())
+    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
+  std::size_t bad = 0, first = 0;
+  double worst = 0;  // largest |got - want| / (atol + rtol|want|)
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t j = at ? at(i) : i;
+    if (j >= want.size()) return ::testing::AssertionFailure() << what << ": index " << j << " beyond the reference";
+    const double err = std::abs(static_cast<double>(got[i]) - want[j]);
+    const double allowed = tol.atol + tol.rtol * std::abs(want[j]);
+    if (!(err <= allowed)) {  // also catches NaN
+      if (bad++ == 0) first = i;
+      worst = std::max(worst, err / allowed);
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
+                                       << first << ": got " << static_cast<double>(got[first]) << ", want "
+                                       << want[at ? at(first) : first] << "; worst error is " << worst
+                                       << "x the tolerance";
+}
+// A whole tensor against the reference's values.
+template <class T>
+::testing::AssertionResult all_close(const char* what, const Tensor<T>& got, const std::vector<double>& want,
+                                     Tolerance tol) {
+  return all_close(what, got.data(), static_cast<std::size_t>(got.size()), want, tol);
+}
+
+// Same shape and the same bits in every entry (for paths that must agree
+// exactly: threads, workspace reuse).
+template <class T>
+::testing::AssertionResult bit_identical(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
+  for (Index i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
+      return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+// ---------------------------------------------------------------------------
+// shape_error messages
+
+// The message of the shape_error `fn` throws, or why there is none.
+template <class Fn>
+std::string shape_error_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const headmix::shape_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not a shape_error: ") + e.what() + ">";
+  }
+  return "<no exception>";
+}
+
+// `message` contains every one of `parts`.
+inline ::testing::AssertionResult mentions(const std::string& message, const std::vector<std::string>& parts) {
+  for (const auto& part : parts)
+    if (message.find(part) == std::string::npos)
+      return ::testing::AssertionFailure() << "message \"" << message << "\" does not contain \"" << part << "\"";
+  return ::testing::AssertionSuccess() << message;
+}
+
+}  // namespace headmix_test
+
+// `call` throws headmix::shape_error whose message names the variant `tag`
+// (e.g. "[mha]") and contains every further argument. Each test file wraps
+// it as EXPECT_SHAPE_ERROR(call, ...) with its own tag.
+#define HEADMIX_EXPECT_SHAPE_ERROR_IN(tag, call, ...)                                                    \
+  do {                                                                                                   \
+    EXPECT_THROW(call, headmix::shape_error);                                                            \
+    EXPECT_TRUE(::headmix_test::mentions(::headmix_test::shape_error_message([&] { call; }),            \
+                                         {tag, __VA_ARGS__}));                                           \
+  } while (0)
