@@ -57,5 +57,5 @@ void BM_DCMHA(benchmark::State& state) {
 BENCHMARK(BM_DCMHA_MHA_baseline)->ArgNames({"T"})->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DCMHA)
     ->ArgNames({"T", "block_rows"})
-    ->Args({1024, 0})->Args({2048, 0})
+    ->Args({1024, 0})->Args({2048, 0})->Args({4096, 0})->Args({4096, 64})->Args({4096, 128})
     ->Unit(benchmark::kMillisecond)->UseRealTime();
