@@ -56,8 +56,8 @@ struct DenseRun {
   KeyPadding padding;   ///< [B, S] or empty
   Index block_rows = 64;
   int threads = 1;
-  T* context = nullptr; ///< out: [B·T, value_heads·value_dim], row-major
-  T* probs = nullptr;   ///< out, optional: final weights [B, value_heads, T, S]
+  T* context = nullptr;        ///< out: [B·T, value_heads·value_dim], row-major
+  Tensor<T>* probs = nullptr;  ///< out, optional: resized to [B, value_heads, T, S], the final weights
 };
 
 /// Size every worker's tiles for up to `keys` keys ahead of time, so that a
@@ -81,6 +81,11 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
   const bool mixes = policy.has_pre_mix() || policy.has_post_mix();
   const Index tile_heads = std::max({policy.score_heads(), policy.softmax_heads(), hv});
   MatrixMap<T> context(run.context, run.batch * T_, hv * dv);
+  T* probs = nullptr;
+  if (run.probs) {
+    run.probs->resize({run.batch, hv, T_, S});
+    probs = run.probs->data();
+  }
   ws.reserve_workers(std::max(1, run.threads));
 
   parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
@@ -102,8 +107,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
         out.noalias() = weights * policy.values(b, c, k0, cols);
       else
         out.setZero();
-      if (run.probs) {
-        T* dst = run.probs + ((b * hv + c) * T_ + q0) * S;
+      if (probs) {
+        T* dst = probs + ((b * hv + c) * T_ + q0) * S;
         for (Index r = 0; r < rows; ++r, dst += S) {
           std::fill(dst, dst + S, T(0));
           std::copy_n(weights.row(r).data(), cols, dst + k0);

@@ -278,19 +278,7 @@ class CollabHead {
     project_rows<T>(Unbiased{w_.q}, x.rows(), q, opt_.threads);
     mix = scale() * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
 
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = S;
-    run.mask = mask;
-    run.padding = padding;
-    run.block_rows = opt_.block_rows;
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, H, T_, S});
-      run.probs = probs->data();
-    }
+    const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
     run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run, ws);
 
     auto y = out.rows();

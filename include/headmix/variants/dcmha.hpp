@@ -193,19 +193,8 @@ class Dcmha {
     src.kf_batch_stride = factor_width() * src.kf_row_stride;
     dynamic_factors(in.query.rows(), T_, 0, src, ws);
 
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = T_;
-    run.mask = PositionMask{opt_.causal, 0, opt_.window};
-    run.padding = in.key_padding;
-    run.block_rows = block_rows_for(T_);
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, H, T_, T_});
-      run.probs = probs->data();
-    }
+    const DenseRun<T> run{B, T_, T_, PositionMask{opt_.causal, 0, opt_.window}, in.key_padding,
+                          block_rows_for(T_), opt_.threads, ctx.data(), probs};
     run_dense_pipeline(Policy{this, src, run.mask, T_}, run, ws);
     finish(ctx, out);
   }
@@ -272,18 +261,9 @@ class Dcmha {
     src.kf_batch_stride = cap * factor_stream_width(cap);
     dynamic_factors(x.rows(), n, past, src, ws);
 
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = n;
-    run.keys = S;
-    run.mask = PositionMask{true, past, opt_.window};  // bottom-right: the last new position sees all
-    run.block_rows = block_rows_for(S);
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, H, n, S});
-      run.probs = probs->data();
-    }
+    // Bottom-right: the last new position sees all.
+    const DenseRun<T> run{B, n, S, PositionMask{true, past, opt_.window}, {}, block_rows_for(S), opt_.threads,
+                          ctx.data(), probs};
     run_dense_pipeline(Policy{this, src, run.mask, S}, run, ws);
     finish(ctx, out);
     cache.advance(n);

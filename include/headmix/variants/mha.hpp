@@ -153,19 +153,7 @@ class Mha {
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();  // fold the scale into Q once instead of into every score
 
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = S;
-    run.mask = mask;
-    run.padding = padding;
-    run.block_rows = opt_.block_rows;
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, H, T_, S});
-      run.probs = probs->data();
-    }
+    const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
     run_dense_pipeline(Policy{q, k, v, T_, key_stride, H, dk, dv}, run, ws);
 
     if (w_.o.empty())

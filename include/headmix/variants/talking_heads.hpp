@@ -209,19 +209,7 @@ class TalkingHeads {
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();  // the mix is linear, so the scale may go on Q before it
 
-    DenseRun<T> run;
-    run.batch = B;
-    run.queries = T_;
-    run.keys = S;
-    run.mask = mask;
-    run.padding = padding;
-    run.block_rows = opt_.block_rows;
-    run.threads = opt_.threads;
-    run.context = ctx.data();
-    if (probs) {
-      probs->resize({B, hv, T_, S});
-      run.probs = probs->data();
-    }
+    const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
     run_dense_pipeline(Policy{q, k, v, w_.pre_softmax, w_.post_softmax, T_, key_stride, hk, h, hv, dk, dv}, run, ws);
 
     if (w_.o.empty())
