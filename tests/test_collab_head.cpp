@@ -153,8 +153,9 @@ struct Problem {
     headmix_ref::RefCollabOptions ro;
     ro.causal = s.causal;
     ro.causal_offset = s.offset;
-    // The reference gets the scale the layer uses: the float layer rounds it to float.
-    ro.scale = static_cast<double>(layer().scale());
+    // The shape's scale, or 0: the reference's own default from collab.md,
+    // 1/sqrt(R/H), never the layer's (which the float layer rounds to float).
+    ro.scale = s.scale;
     const headmix_ref::RefBatch q = to_ref_batch(xq, s.B);
     if (!s.cross) return headmix_ref::collab_reference(ref_weights(), ro, q, nullptr, padding);
     const headmix_ref::RefBatch k = to_ref_batch(xk, s.B);

@@ -21,42 +21,15 @@
 // Decoding vs forward compares two computations with different summation
 // orders: twice the tolerance above. Conformance cases use their own.
 
-// Allocation check for decoding: Eigen reports every heap allocation it
-// makes while set_is_malloc_allowed(false) through eigen_assert, which is
-// routed here (NDEBUG would otherwise compile it out). Outside such a
-// window a failed Eigen assertion aborts as usual.
-#include <cstdio>
-#include <cstdlib>
-namespace dcmha_test {
-inline bool& counting_mallocs() {
-  static bool on = false;
-  return on;
-}
-inline int& forbidden_mallocs() {
-  static int n = 0;
-  return n;
-}
-inline void eigen_assert_failed(const char* what, const char* file, int line) {
-  if (counting_mallocs()) {
-    ++forbidden_mallocs();
-    return;
-  }
-  std::fprintf(stderr, "Eigen assertion failed: %s at %s:%d\n", what, file, line);
-  std::abort();
-}
-}  // namespace dcmha_test
-// Plain operator new (std::vector, strings) is counted by test_util.hpp's
-// replacement, headmix_test::allocations().
+// Allocation check for decoding: test_util.hpp counts operator new and,
+// through EIGEN_RUNTIME_NO_MALLOC and eigen_assert, Eigen's mallocs, in any
+// build type (headmix_test::allocations_during()). It must come before any
+// Eigen header.
 #define HEADMIX_TEST_COUNT_ALLOCATIONS
-#define EIGEN_RUNTIME_NO_MALLOC
-#define eigen_assert(x) \
-  do {                  \
-    if (!(x)) ::dcmha_test::eigen_assert_failed(#x, __FILE__, __LINE__); \
-  } while (false)
+#include "test_util.hpp"
 
 #include "headmix/headmix.hpp"
 #include "reference/dcmha_reference.hpp"
-#include "test_util.hpp"
 
 #include "conformance/case_dcmha.hpp"
 
@@ -98,6 +71,7 @@ struct Config {
   double pad_rate = 0;       // chance that each key is padded
   bool pad_all_of_last = false;  // every key of the last batch item padded
   double weight_gain = 1;    // scales q and k weights (bigger scores)
+  double dw_norm_eps = 1e-6;  // the W1 RMSNorm epsilon, given to the layer and the reference alike
   Index block_rows = 0;
   int threads = 1;
 
@@ -110,7 +84,8 @@ std::string describe(const Config& c) {
   o << "B=" << c.B << " T=" << c.T << " D=" << c.D << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
     << " out=" << c.out << " G=" << c.G << " R=" << c.R << " K=" << c.K << " bias=" << c.bias << " pre=" << c.use_pre
     << " post=" << c.use_post << " qw=" << c.query_wise << " kw=" << c.key_wise << " static=" << c.static_w
-    << " causal=" << c.causal << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh << " pad=" << c.pad_rate
+    << " causal=" << c.causal << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh << " eps=" << c.dw_norm_eps
+    << " pad=" << c.pad_rate
     << " block_rows=" << c.block_rows << " threads=" << c.threads;
   return o.str();
 }
@@ -135,6 +110,7 @@ struct Problem {
     o.causal = c.causal;
     o.window = c.window;
     o.gelu = c.gelu_tanh ? headmix::DcmhaGelu::tanh : headmix::DcmhaGelu::erf;
+    o.dw_norm_eps = c.dw_norm_eps;
     o.block_rows = c.block_rows;
     o.threads = c.threads;
     return o;
@@ -161,6 +137,7 @@ struct Problem {
     headmix_ref::RefDcmhaOptions o;
     o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
     o.static_w = c.static_w, o.causal = c.causal, o.window = c.window, o.gelu_tanh = c.gelu_tanh;
+    o.eps = c.dw_norm_eps;
     return o;
   }
   headmix_ref::RefDcmhaResult reference() const {
@@ -694,7 +671,7 @@ TYPED_TEST(DcmhaTest, ChunkedDecodingEqualsForward) {
 TYPED_TEST(DcmhaTest, ConformanceCasesDecodedPositionByPosition) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::path(HEADMIX_CONFORMANCE_DIR) / "dcmha";
-  if (!fs::is_directory(dir)) GTEST_SKIP() << "no conformance cases at " << dir;
+  if (!fs::is_directory(dir)) HEADMIX_CONFORMANCE_MISSING() << "no conformance cases at " << dir;
   int cases = 0;
   for (const auto& entry : fs::directory_iterator(dir)) {
     if (entry.path().extension() != ".safetensors") continue;
@@ -733,6 +710,32 @@ TYPED_TEST(DcmhaTest, ConformanceCasesDecodedPositionByPosition) {
   EXPECT_GE(cases, 5);
 }
 
+// A non-default dw_norm_eps reaches the layer, forward and decoding. The
+// W1 rows shrink to a mean square ~1e-4, so that eps = 1e-3 sets their norm;
+// the reference takes its eps from the Config, not from the layer. The
+// check can fail: a reference with the default eps, or with twice this
+// one, is far from the layer's output.
+TYPED_TEST(DcmhaTest, NonDefaultEpsilonReachesTheLayer) {
+  Config c;
+  c.dw_norm_eps = 1e-3;
+  auto p = make_problem<TypeParam>(c, 47);
+  const Index M = c.M(), R = c.R;
+  for (Index i = 0; i < p.w.qkw.size(); ++i)
+    if ((i / M) % (2 * R) < R) p.w.qkw[i] *= TypeParam(0.05);
+  expect_matches_reference(p);
+  const auto want = p.reference();
+  EXPECT_TRUE(all_close("decoded output", decode(p, {1}, c.T).out, want.output,
+                        default_tolerance<TypeParam>().times(2)));
+  const Result<TypeParam> got = run(p);
+  for (double wrong : {1e-6, 2e-3}) {
+    auto ro = p.ref_options();
+    ro.eps = wrong;
+    const auto other = headmix_ref::dcmha_reference(p.ref_weights(), ro, c.B, c.T, widen(p.x), p.padding);
+    EXPECT_FALSE(all_close("output", got.out, other.output, default_tolerance<TypeParam>())) << "eps " << wrong;
+    EXPECT_GT(max_abs_diff(want.output, other.output), 1e-2 * max_abs(want.output)) << "eps " << wrong;
+  }
+}
+
 TYPED_TEST(DcmhaTest, FullCacheThrowsAndKeepsState) {
   Config c;
   c.T = 6, c.B = 1;
@@ -742,6 +745,9 @@ TYPED_TEST(DcmhaTest, FullCacheThrowsAndKeepsState) {
   headmix::Workspace<TypeParam> ws;
   auto rows = [&](Index t0, Index n) { return headmix::ConstBatchView<TypeParam>(p.x.data() + t0 * c.D, 1, n, c.D); };
   layer.step(rows(0, 3), cache, ws);
+  // Four streams: keys, values and the key-side dynamic factors of the pre
+  // and the post composition; all capacity rows, bit for bit.
+  const auto streams = cache_streams(cache, 4);
   try {
     layer.step(rows(3, 2), cache, ws);
     ADD_FAILURE() << "no exception";
@@ -750,6 +756,7 @@ TYPED_TEST(DcmhaTest, FullCacheThrowsAndKeepsState) {
     EXPECT_NE(msg.find("[dcmha] cache: 2 new positions do not fit (3 of 4 used)"), std::string::npos) << msg;
   }
   EXPECT_EQ(cache.size(), 3);
+  EXPECT_TRUE(same_cache_bits(cache_streams(cache, 4), streams)) << "a refused step wrote to the cache";
   // Nothing was written: the next position still comes out right.
   const Tensor<TypeParam> fourth = layer.step(rows(3, 1), cache, ws);
   EXPECT_EQ(cache.size(), 4);
@@ -813,32 +820,18 @@ TYPED_TEST(DcmhaTest, DecodingAllocatesNothingOnceSized) {
   };
   token(0);  // sizes the workspace
   const std::size_t ws_bytes = ws.bytes();
-  const long news = headmix_test::allocations();
-  // Eigen's reports plus operator new calls since `news`.
-  auto counted = [&] { return dcmha_test::forbidden_mallocs() + (headmix_test::allocations() - news); };
-  dcmha_test::forbidden_mallocs() = 0;
-  dcmha_test::counting_mallocs() = true;
-  Eigen::internal::set_is_malloc_allowed(false);
-  for (Index t = 1; t < c.T; ++t) token(t);
-  Eigen::internal::set_is_malloc_allowed(true);
-  dcmha_test::counting_mallocs() = false;
-  EXPECT_EQ(counted(), 0);
+  EXPECT_EQ(allocations_during([&] {
+              for (Index t = 1; t < c.T; ++t) token(t);
+            }),
+            0);
   EXPECT_EQ(ws.bytes(), ws_bytes);
   EXPECT_EQ(cache.size(), c.T);
   // The check itself works: a fresh matrix inside the window is counted.
-  const long news_before_check = headmix_test::allocations();
-  auto counted_in_check = [&] {
-    return dcmha_test::forbidden_mallocs() + (headmix_test::allocations() - news_before_check);
-  };
-  dcmha_test::counting_mallocs() = true;
-  Eigen::internal::set_is_malloc_allowed(false);
-  { Matrix<TypeParam> fresh(64, 64); (void)fresh; }
-  Eigen::internal::set_is_malloc_allowed(true);
-  const long eigen_counted = counted_in_check();
-  { std::vector<int> fresh(100); (void)fresh; }
-  dcmha_test::counting_mallocs() = false;
-  EXPECT_GT(eigen_counted, 0);
-  EXPECT_GT(counted_in_check(), eigen_counted);
+  EXPECT_GT(allocations_during([] {
+              Matrix<TypeParam> fresh(64, 64);
+              fresh.setZero();
+            }),
+            0);
 }
 
 // Step cost is O(S) per token: flops of a one-token step grow linearly in

@@ -18,8 +18,9 @@
 // every option at once) and also drives the decoding entry points (step() of
 // MHA, Talking-Heads, CollabHead and DCMHA) with random chunkings against the
 // full causal reference.
-// One configuration in four is also rerun with threads = 1 and must match
-// bit for bit.
+// One configuration in four with threads > 1 is also rerun, split into at
+// least two tasks, on those threads and on one, and the two runs must match
+// bit for bit, weights included (thread_rerun).
 //
 // Inputs and weights are drawn in T and handed to the reference widened to
 // double, so a comparison measures only the layer's own arithmetic.
@@ -119,6 +120,7 @@ struct Outcome {
   ::testing::AssertionResult ok = ::testing::AssertionSuccess();
   std::string config;
   std::string kind = "forward";  // or "decode"
+  bool rerun = false;            // also rerun on one thread (thread_rerun)
 };
 
 #define DIFF_CHECK(outcome, expr)          \
@@ -165,7 +167,8 @@ template <class T, class Layer, class Want>
       const std::size_t b = i / (n * out_dim), r = i % (n * out_dim);
       return (b * T_ + t0) * out_dim + r;
     };
-    auto ok = all_close("step output", y.data(), static_cast<std::size_t>(y.size()), want.output, tol, out_at);
+    auto ok = all_close_at("step output", y.data(), static_cast<std::size_t>(y.size()),
+                           static_cast<std::size_t>(B) * n * out_dim, want.output, tol, out_at);
     if (!ok) return ok;
     if (want_probs) {
       const int keys = t0 + n;
@@ -173,12 +176,46 @@ template <class T, class Layer, class Want>
         const std::size_t j = i % keys, row = i / keys, q = row % n, bh = row / n;
         return (bh * T_ + t0 + q) * T_ + j;
       };
-      ok = all_close("step probs", probs.data(), static_cast<std::size_t>(probs.size()), want.probs, tol, prob_at);
+      const std::size_t heads = want.probs.size() / (static_cast<std::size_t>(B) * T_ * T_);
+      ok = all_close_at("step probs", probs.data(), static_cast<std::size_t>(probs.size()),
+                        static_cast<std::size_t>(B) * heads * n * keys, want.probs, tol, prob_at);
       if (!ok) return ok;
     }
     t0 += n;
   }
   return ::testing::AssertionSuccess();
+}
+
+// One configuration in four with threads > 1 is rerun: the forward on
+// o.threads and on one thread must agree bit for bit, outputs and (when
+// asked) weights. The rerun is cut into at least two tasks, so that the
+// workers really split it: the dense pipeline makes B·ceil(T / block_rows)
+// (batch item, query block) tasks, so with one batch item the blocks are
+// halved; LSH makes B·H (batch item, head) tasks. B = T = 1 (LSH: B = H = 1)
+// has one task whatever the options, and is not rerun.
+template <class Layer, class W, class O, class T>
+::testing::AssertionResult thread_rerun(Draw& d, Outcome& oc, const W& w, O o, const headmix::AttentionInput<T>& in,
+                                        bool want_probs, Index heads) {
+  if (o.threads < 2 || !d.coin(0.25)) return ::testing::AssertionSuccess();
+  const Index B = in.query.batch(), T_ = in.query.length();
+  if constexpr (std::is_same_v<Layer, headmix::Lsh<T>>) {
+    if (B * heads < 2) return ::testing::AssertionSuccess();
+  } else {
+    if (B * T_ < 2) return ::testing::AssertionSuccess();
+    // 0 is DCMHA's automatic size, >= 16 rows: at least T here, so one block.
+    // Halving gives ceil(T / ceil(T/2)) >= 2 blocks.
+    const Index rows = o.block_rows > 0 ? o.block_rows : T_;
+    if (B == 1 && rows >= T_) o.block_rows = (T_ + 1) / 2;
+  }
+  oc.rerun = true;
+  headmix::Workspace<T> ws;
+  Tensor<T> probs_n, probs_1;  // LSH keeps its tiles elsewhere with probs: ask both runs alike
+  const Tensor<T> y_n = Layer(w, o).forward(in, ws, want_probs ? &probs_n : nullptr);
+  o.threads = 1;
+  const Tensor<T> y_1 = Layer(w, o).forward(in, ws, want_probs ? &probs_1 : nullptr);
+  auto ok = bit_identical("output on 1 thread", y_1, y_n);
+  if (ok && want_probs) ok = bit_identical("probs on 1 thread", probs_1, probs_n);
+  return ok;
 }
 
 // ---------------------------------------------------------------------------
@@ -245,12 +282,7 @@ Outcome mha_config(unsigned long long seed) {
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
   DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
   if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  if (o.threads > 1 && d.coin(0.25)) {
-    auto o1 = o;
-    o1.threads = 1;
-    Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, bit_identical("output", headmix::Mha<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
-  }
+  DIFF_CHECK(oc, thread_rerun<headmix::Mha<T>>(d, oc, w, o, in, want_probs, H));
   return oc;
 }
 
@@ -339,12 +371,7 @@ Outcome talking_heads_config(unsigned long long seed) {
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
   DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
   if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  if (o.threads > 1 && d.coin(0.25)) {
-    auto o1 = o;
-    o1.threads = 1;
-    Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, bit_identical("output", headmix::TalkingHeads<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
-  }
+  DIFF_CHECK(oc, thread_rerun<headmix::TalkingHeads<T>>(d, oc, w, o, in, want_probs, h));
   return oc;
 }
 
@@ -443,12 +470,7 @@ Outcome collab_config(unsigned long long seed) {
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
   DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
   if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  if (o.threads > 1 && d.coin(0.25)) {
-    auto o1 = o;
-    o1.threads = 1;
-    Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, bit_identical("output", headmix::CollabHead<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
-  }
+  DIFF_CHECK(oc, thread_rerun<headmix::CollabHead<T>>(d, oc, w, o, in, want_probs, H));
   return oc;
 }
 
@@ -526,12 +548,7 @@ Outcome lsh_config(unsigned long long seed) {
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
   DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
   if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  if (o.threads > 1 && d.coin(0.25)) {
-    auto o1 = o;
-    o1.threads = 1;
-    Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, bit_identical("output", headmix::Lsh<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
-  }
+  DIFF_CHECK(oc, thread_rerun<headmix::Lsh<T>>(d, oc, w, o, in, want_probs, H));
   return oc;
 }
 
@@ -560,6 +577,11 @@ Outcome dcmha_config(unsigned long long seed) {
   if (d.coin(0.2)) o.scale = d.real(0.05, 1.5);
   o.block_rows = d.pick<Index>({0, 0, 1, 2, d.integer(1, T_ + 1)});
   o.threads = d.integer(1, 4);
+  // The RMSNorm epsilon of W1: the default, or large enough to change the
+  // result (mean F² is O(0.1) with these weights). The reference gets it
+  // from this draw, not from the layer.
+  const double eps = d.pick({1e-6, 1e-6, 0.05, 0.5});
+  o.dw_norm_eps = eps;
   const bool decode = o.causal && d.coin(0.3);
   const int pad_mode = decode ? 0 : d.pick({0, 0, 1, 2});
   const bool want_probs = d.coin();
@@ -581,8 +603,8 @@ Outcome dcmha_config(unsigned long long seed) {
        << " dk=" << dk << " dv=" << dv << " out=" << out << " bias=" << bias << " pre=" << o.use_pre
        << " post=" << o.use_post << " qw=" << o.query_wise << " kw=" << o.key_wise << " static=" << o.static_w
        << " causal=" << o.causal << " window=" << o.window << " gelu_tanh=" << (o.gelu == headmix::DcmhaGelu::tanh)
-       << " scale=" << o.scale.value_or(0) << " block_rows=" << o.block_rows << " threads=" << o.threads
-       << " pad_mode=" << pad_mode << (decode ? " decode" : "");
+       << " scale=" << o.scale.value_or(0) << " eps=" << eps << " block_rows=" << o.block_rows
+       << " threads=" << o.threads << " pad_mode=" << pad_mode << (decode ? " decode" : "");
   oc.config = desc.str();
 
   headmix_ref::RefDcmhaWeights rw;
@@ -597,7 +619,7 @@ Outcome dcmha_config(unsigned long long seed) {
   headmix_ref::RefDcmhaOptions ro;
   ro.use_pre = o.use_pre, ro.use_post = o.use_post, ro.query_wise = o.query_wise, ro.key_wise = o.key_wise;
   ro.static_w = o.static_w, ro.causal = o.causal, ro.window = static_cast<int>(o.window);
-  ro.gelu_tanh = o.gelu == headmix::DcmhaGelu::tanh, ro.scale = o.scale.value_or(0);
+  ro.gelu_tanh = o.gelu == headmix::DcmhaGelu::tanh, ro.scale = o.scale.value_or(0), ro.eps = eps;
   const auto want = headmix_ref::dcmha_reference(rw, ro, B, T_, widen(x), pad);
   const headmix::Dcmha<T> layer(w, o);
 
@@ -615,12 +637,7 @@ Outcome dcmha_config(unsigned long long seed) {
   const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
   DIFF_CHECK(oc, all_close("output", y, want.output, dcmha_tolerance<T>()));
   if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, dcmha_tolerance<T>()));
-  if (o.threads > 1 && d.coin(0.25)) {
-    auto o1 = o;
-    o1.threads = 1;
-    Tensor<T> probs1;  // the same call but for the thread count (LSH keeps its tiles elsewhere with probs)
-    DIFF_CHECK(oc, bit_identical("output", headmix::Dcmha<T>(w, o1).forward(in, ws, want_probs ? &probs1 : nullptr), y));
-  }
+  DIFF_CHECK(oc, thread_rerun<headmix::Dcmha<T>>(d, oc, w, o, in, want_probs, H));
   return oc;
 }
 
@@ -639,7 +656,7 @@ template <class T>
 void run_variant(const char* variant, unsigned long long salt, Outcome (*config)(unsigned long long)) {
   const int n = configs_per_variant();
   const unsigned long long base = first_seed();
-  int ran = 0, failed = 0, decoded = 0;
+  int ran = 0, failed = 0, decoded = 0, reruns = 0;
   for (int i = 0; i < n && failed < 5; ++i, ++ran) {
     const unsigned long long seed = base + static_cast<unsigned long long>(i);
     Outcome oc;
@@ -649,6 +666,7 @@ void run_variant(const char* variant, unsigned long long salt, Outcome (*config)
       oc.ok = ::testing::AssertionFailure() << "threw " << e.what();
     }
     decoded += oc.kind == "decode";
+    reruns += oc.rerun;
     if (!oc.ok) {
       ++failed;
       ADD_FAILURE() << variant << "<" << type_name<T>() << "> configuration " << i << ", HEADMIX_DIFF_SEED=" << seed
@@ -657,8 +675,8 @@ void run_variant(const char* variant, unsigned long long salt, Outcome (*config)
   }
   ::testing::Test::RecordProperty("configurations", ran);
   std::cout << "[differential] " << variant << "<" << type_name<T>() << ">: " << ran << " configurations ("
-            << decoded << " of them decoding), " << failed << " failed, seeds " << base << ".." << base + ran - 1
-            << std::endl;
+            << decoded << " of them decoding, " << reruns << " rerun on one thread), " << failed
+            << " failed, seeds " << base << ".." << base + ran - 1 << std::endl;
 }
 
 template <class T>

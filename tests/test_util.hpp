@@ -12,13 +12,25 @@
 // the per-file helpers these replace.
 #pragma once
 
-// Opt-in (define before including this header): replace the global
-// operator new / delete with malloc / free and count every allocation in
-// headmix_test::allocations(), to check that sized decoding steps allocate
-// nothing. Replacement allocation functions cannot be inline, so only one
-// translation unit per program may define this; every test is one.
+// Opt-in (define before including this header, and before anything that
+// includes Eigen): count every heap allocation, to check that sized
+// decoding steps allocate nothing, in Debug and Release builds alike.
+//  - The global operator new / delete are replaced with malloc / free and
+//    counted in headmix_test::allocations(). Replacement allocation
+//    functions cannot be inline, so only one translation unit per program
+//    may define this; every test is one.
+//  - Eigen allocates with std::malloc, which that counter does not see.
+//    With EIGEN_RUNTIME_NO_MALLOC Eigen checks each allocation with
+//    eigen_assert, which NDEBUG compiles out; eigen_assert is routed here
+//    instead, so that inside allocations_during() a forbidden Eigen
+//    allocation is counted whatever the build type. Outside it a failed
+//    Eigen assertion aborts as usual (so Eigen's own asserts stay on).
 #ifdef HEADMIX_TEST_COUNT_ALLOCATIONS
+#ifdef EIGEN_WORLD_VERSION
+#error "define HEADMIX_TEST_COUNT_ALLOCATIONS and include test_util.hpp before any Eigen or headmix header"
+#endif
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <new>
 namespace headmix_test {
@@ -27,7 +39,29 @@ inline std::atomic<long>& allocations() {
   static std::atomic<long> n{0};
   return n;
 }
+// Eigen allocations refused while counting (the flag below), all threads.
+inline std::atomic<long>& eigen_allocations() {
+  static std::atomic<long> n{0};
+  return n;
+}
+inline std::atomic<bool>& counting_eigen_allocations() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+inline void eigen_assert_failed(const char* what, const char* file, int line) {
+  if (counting_eigen_allocations()) {
+    ++eigen_allocations();
+    return;
+  }
+  std::fprintf(stderr, "Eigen assertion failed: %s at %s:%d\n", what, file, line);
+  std::abort();
+}
 }  // namespace headmix_test
+#define EIGEN_RUNTIME_NO_MALLOC
+#define eigen_assert(x)                                                         \
+  do {                                                                          \
+    if (!(x)) ::headmix_test::eigen_assert_failed(#x, __FILE__, __LINE__);      \
+  } while (false)
 // (GCC cannot see that these replace the global pair, hence the pragma.)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -213,30 +247,37 @@ Tolerance dcmha_tolerance() {
   return std::is_same_v<T, float> ? Tolerance{5e-4, 1e-4} : Tolerance{1e-10, 1e-11};
 }
 
-// got[i] for i < n within `tol` of want[at(i)] (of want[i] without `at`, and
-// then n must equal want.size()). NaN never agrees.
+// got[i] for i < n within `tol` of want[at(i)], where the layer should
+// have produced `expected_n` values (a wrongly sized result fails rather
+// than passing on the entries it has). NaN never agrees.
 template <class T>
-::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
-                                     Tolerance tol, const std::function<std::size_t(std::size_t)>& at = nullptr) {
-  if (!at && n != want.size())
-    return ::testing::AssertionFailure() << what << ": " << n << " values, reference has " << want.size();
+::testing::AssertionResult all_close_at(const char* what, const T* got, std::size_t n, std::size_t expected_n,
+                                        const std::vector<double>& want, Tolerance tol,
+                                        const std::function<std::size_t(std::size_t)>& at) {
+  if (n != expected_n)
+    return ::testing::AssertionFailure() << what << ": " << n << " values, expected " << expected_n;
   std::size_t bad = 0, first = 0;
   double worst = 0;  // largest |got - want| / (atol + rtol|want|)
   for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t j = at ? at(i) : i;
+    const std::size_t j = at(i);
     if (j >= want.size()) return ::testing::AssertionFailure() << what << ": index " << j << " beyond the reference";
     const double err = std::abs(static_cast<double>(got[i]) - want[j]);
     const double allowed = tol.atol + tol.rtol * std::abs(want[j]);
     if (!(err <= allowed)) {  // also catches NaN
       if (bad++ == 0) first = i;
-      worst = std::max(worst, err / allowed);
+      worst = std::isnan(err) ? err : std::max(worst, err / allowed);
     }
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " values off; first at flat index "
                                        << first << ": got " << static_cast<double>(got[first]) << ", want "
-                                       << want[at ? at(first) : first] << "; worst error is " << worst
-                                       << "x the tolerance";
+                                       << want[at(first)] << "; worst error is " << worst << "x the tolerance";
+}
+// got[i] for i < n within `tol` of want[i]; n must equal want.size().
+template <class T>
+::testing::AssertionResult all_close(const char* what, const T* got, std::size_t n, const std::vector<double>& want,
+                                     Tolerance tol) {
+  return all_close_at(what, got, n, want.size(), want, tol, [](std::size_t i) { return i; });
 }
 // A whole tensor against the reference's values.
 template <class T>
@@ -253,6 +294,73 @@ template <class T>
   for (Index i = 0; i < a.size(); ++i)
     if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0)
       return ::testing::AssertionFailure() << what << ": differs at flat index " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+#ifdef HEADMIX_TEST_COUNT_ALLOCATIONS
+// Heap allocations made while `fn` runs, on any thread: operator new calls
+// plus the Eigen allocations that set_is_malloc_allowed(false) refuses.
+template <class Fn>
+long allocations_during(Fn&& fn) {
+  struct Window {  // closes even if fn throws
+    Window() {
+      counting_eigen_allocations() = true;
+      Eigen::internal::set_is_malloc_allowed(false);
+    }
+    ~Window() {
+      Eigen::internal::set_is_malloc_allowed(true);
+      counting_eigen_allocations() = false;
+    }
+  };
+  const long news = allocations().load(), eigens = eigen_allocations().load();
+  {
+    const Window window;
+    fn();
+  }
+  return (allocations().load() - news) + (eigen_allocations().load() - eigens);
+}
+#endif
+
+// ---------------------------------------------------------------------------
+// Conformance files
+
+// A test that needs conformance files it cannot find fails when the build
+// requires the cases (HEADMIX_REQUIRE_CONFORMANCE=1, tests/CMakeLists.txt's
+// default) and is skipped otherwise: HEADMIX_CONFORMANCE_MISSING() << why;
+#if defined(HEADMIX_REQUIRE_CONFORMANCE) && HEADMIX_REQUIRE_CONFORMANCE
+#define HEADMIX_CONFORMANCE_MISSING() GTEST_FAIL() << "conformance cases required: "
+#else
+#define HEADMIX_CONFORMANCE_MISSING() GTEST_SKIP()
+#endif
+
+// ---------------------------------------------------------------------------
+// Decoding caches
+
+// A copy of the first `streams` streams of a cache, every row of its
+// capacity (so that a write past the used positions shows too). The layer
+// knows how many streams it binds; the cache does not say.
+template <class T>
+std::vector<std::vector<T>> cache_streams(headmix::SequenceCache<T>& cache, std::size_t streams) {
+  std::vector<std::vector<T>> copy;
+  for (std::size_t s = 0; s < streams; ++s) {
+    const auto m = cache.stream(s);
+    copy.emplace_back(m.data(), m.data() + m.size());
+  }
+  return copy;
+}
+
+// Two cache_streams() copies hold the same streams, bit for bit.
+template <class T>
+::testing::AssertionResult same_cache_bits(const std::vector<std::vector<T>>& a, const std::vector<std::vector<T>>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " vs " << b.size() << " streams";
+  for (std::size_t s = 0; s < a.size(); ++s) {
+    if (a[s].size() != b[s].size())
+      return ::testing::AssertionFailure() << "stream " << s << ": " << a[s].size() << " vs " << b[s].size() << " values";
+    for (std::size_t i = 0; i < a[s].size(); ++i)
+      if (std::memcmp(&a[s][i], &b[s][i], sizeof(T)) != 0)
+        return ::testing::AssertionFailure() << "stream " << s << " differs at flat index " << i << ": " << a[s][i]
+                                             << " vs " << b[s][i];
+  }
   return ::testing::AssertionSuccess();
 }
 

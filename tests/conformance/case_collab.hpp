@@ -27,7 +27,7 @@ CaseOutputs run_collab_case(const io::TensorFile& f) {
   Workspace<T> ws;
   Tensor<T> probs;
   Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs)};
+  return {to_double(out), to_double(probs), std::nullopt, {}};
 }
 
 }  // namespace headmix::conformance

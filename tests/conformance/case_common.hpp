@@ -9,13 +9,20 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace headmix::conformance {
 
-/// What a layer produced for one case, in double for comparison.
+/// What a layer produced for one case, in double for comparison. The
+/// runner compares every expected.output / .probs / .softmax the case holds
+/// and fails the case when the adapter produced none for one of them; any
+/// other expected.* tensor must be named in `checked` by an adapter that
+/// compared it itself (LSH's expected.buckets).
 struct CaseOutputs {
   Tensor<double> output;
-  std::optional<Tensor<double>> probs;  ///< compared with expected.probs when present
+  std::optional<Tensor<double>> probs;    ///< final weights, for expected.probs
+  std::optional<Tensor<double>> softmax;  ///< softmax before a post-softmax mix, for expected.softmax
+  std::vector<std::string> checked;       ///< expected.* tensors the adapter compared itself
 };
 
 /// A case's inputs, converted to the compute type. Owns the data that the

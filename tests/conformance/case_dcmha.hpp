@@ -34,6 +34,18 @@ Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
   return Dcmha<T>::from_tensors(f, "", opt);
 }
 
+/// P0, the softmax before the post-compose (the case's expected.softmax).
+/// forward() returns only the final weights P, so P0 is the final weights
+/// of the same layer without its post-compose.
+template <class T>
+Tensor<T> dcmha_softmax(const Dcmha<T>& layer, const AttentionInput<T>& in, Workspace<T>& ws) {
+  DcmhaOptions opt = layer.options();
+  opt.use_post = false;
+  Tensor<T> softmax;
+  (void)Dcmha<T>(layer.weights(), opt).forward(in, ws, &softmax);
+  return softmax;
+}
+
 template <class T>
 CaseOutputs run_dcmha_case(const io::TensorFile& f) {
   const Dcmha<T> layer = load_dcmha_case<T>(f);
@@ -41,7 +53,7 @@ CaseOutputs run_dcmha_case(const io::TensorFile& f) {
   Workspace<T> ws;
   Tensor<T> probs;
   Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs)};
+  return {to_double(out), to_double(probs), to_double(dcmha_softmax(layer, inputs.view(), ws)), {}};
 }
 
 }  // namespace headmix::conformance

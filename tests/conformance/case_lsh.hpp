@@ -54,8 +54,9 @@ CaseOutputs run_lsh_case(const io::TensorFile& f) {
   }
   Tensor<T> probs;
   Tensor<T> out = layer.forward(inputs.view(), ws, f.contains("expected.probs") ? &probs : nullptr);
-  CaseOutputs result{to_double(out), std::nullopt};
+  CaseOutputs result{to_double(out), std::nullopt, std::nullopt, {}};
   if (f.contains("expected.probs")) result.probs = to_double(probs);
+  if (f.contains("expected.buckets")) result.checked.push_back("expected.buckets");
   return result;
 }
 

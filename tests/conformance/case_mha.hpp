@@ -19,7 +19,7 @@ CaseOutputs run_mha_case(const io::TensorFile& f) {
   Workspace<T> ws;
   Tensor<T> probs;
   Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs)};
+  return {to_double(out), to_double(probs), std::nullopt, {}};
 }
 
 }  // namespace headmix::conformance

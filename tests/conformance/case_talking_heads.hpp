@@ -6,6 +6,24 @@
 
 namespace headmix::conformance {
 
+/// W, the softmax of the pre-mixed logits before the post mix (the case's
+/// expected.softmax). forward() returns only the final weights U, so W is
+/// the final weights of the same layer without its post mix: h value heads,
+/// whose values (zeros here) do not reach the weights.
+template <class T>
+Tensor<T> talking_heads_softmax(const TalkingHeads<T>& layer, const AttentionInput<T>& in, Workspace<T>& ws) {
+  TalkingHeadsWeights<T> w = layer.weights();
+  TalkingHeadsOptions opt = layer.options();
+  opt.value_heads = layer.num_heads();
+  w.v.weight = Matrix<T>::Zero(layer.num_heads() * layer.v_head_dim(), w.v.in_features());
+  w.v.bias = Vector<T>();
+  w.o = Linear<T>();
+  w.post_softmax = Matrix<T>();
+  Tensor<T> softmax;
+  (void)TalkingHeads<T>(std::move(w), opt).forward(in, ws, &softmax);
+  return softmax;
+}
+
 template <class T>
 CaseOutputs run_talking_heads_case(const io::TensorFile& f) {
   const auto config = case_config(f);
@@ -22,7 +40,7 @@ CaseOutputs run_talking_heads_case(const io::TensorFile& f) {
   Workspace<T> ws;
   Tensor<T> probs;
   Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs)};
+  return {to_double(out), to_double(probs), to_double(talking_heads_softmax(layer, inputs.view(), ws)), {}};
 }
 
 }  // namespace headmix::conformance

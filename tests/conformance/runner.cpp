@@ -1,12 +1,17 @@
 // headmix_conformance [--dtype float|double] [--allow-skip] PATH...
 //
 // Runs every conformance case (<variant>/<case>.safetensors) found in the
-// given files or folders and compares the layer's output (and attention
-// weights, where the case has them) with the reference's, element-wise:
+// given files or folders and compares every expected tensor the case holds
+// with what the layer produced, element-wise:
 // |got - expected| <= atol + rtol * |expected|, with the case's own
-// tolerances. Prints one line per case and a closing
-// "N passed, N failed, N skipped" line; exits 0 only if nothing failed and,
-// without --allow-skip, nothing was skipped.
+// tolerances. expected.output, expected.probs (the final weights) and
+// expected.softmax (the weights before a post-softmax mix) are compared
+// here; a case holding one the adapter produced nothing for fails, and so
+// does any other expected.* tensor that the adapter did not check itself.
+// A folder without any case is an error (exit 2), not an empty success.
+// Prints one line per case and a closing "N passed, N failed, N skipped"
+// line; exits 0 only if at least one case ran, nothing failed and, without
+// --allow-skip, nothing was skipped.
 #include "case_mha.hpp"
 #include "case_talking_heads.hpp"
 #include "case_dcmha.hpp"
@@ -79,8 +84,10 @@ std::vector<fs::path> collect(const std::vector<std::string>& paths) {
   std::vector<fs::path> files;
   for (const auto& p : paths) {
     if (fs::is_directory(p)) {
+      const std::size_t before = files.size();
       for (const auto& e : fs::recursive_directory_iterator(p))
         if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
+      if (files.size() == before) throw std::runtime_error("no case (*.safetensors) under " + p);
     } else if (fs::exists(p)) {
       files.emplace_back(p);
     } else {
@@ -146,9 +153,24 @@ int main(int argc, char** argv) {
       const CaseOutputs got = use_float ? it->second.second(f) : it->second.first(f);
 
       Comparison c;
-      compare("output", got.output, f.get<double>("expected.output"), rtol, atol, c);
-      if (f.contains("expected.probs") && got.probs)
-        compare("probs", *got.probs, f.get<double>("expected.probs"), rtol, atol, c);
+      if (!f.contains("expected.output")) throw std::runtime_error("no expected.output");
+      for (const auto& entry : f.tensors) {
+        const std::string& name = entry.first;
+        if (name.rfind("expected.", 0) != 0) continue;
+        const std::optional<Tensor<double>>* weights =
+            name == "expected.probs" ? &got.probs : name == "expected.softmax" ? &got.softmax : nullptr;
+        if (name == "expected.output") {
+          compare(name, got.output, f.get<double>(name), rtol, atol, c);
+        } else if (weights && *weights) {
+          compare(name, **weights, f.get<double>(name), rtol, atol, c);
+        } else if (weights) {
+          c.ok = false;
+          c.problem += name + ": the adapter returned no weights; ";
+        } else if (std::find(got.checked.begin(), got.checked.end(), name) == got.checked.end()) {
+          c.ok = false;
+          c.problem += name + " is not compared; ";
+        }
+      }
       const double max_rel = c.max_ref > 0 ? c.max_abs / c.max_ref : c.max_abs;
       std::printf("%s %s %s max_abs=%.3g max_rel=%.3g%s%s\n", c.ok ? "PASS" : "FAIL", variant.c_str(), file.c_str(),
                   c.max_abs, max_rel, c.ok ? "" : "  ", c.problem.c_str());
@@ -159,5 +181,5 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
-  return failed == 0 && (allow_skip || skipped == 0) ? 0 : 1;
+  return passed > 0 && failed == 0 && (allow_skip || skipped == 0) ? 0 : 1;
 }
