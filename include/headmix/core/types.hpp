@@ -109,6 +109,11 @@ auto as_batch(const Eigen::PlainObjectBase<Derived>& m) {
 
 /// A small owning N-d tensor, row-major. Used for batch outputs, attention
 /// weights `[B, H, T, S]` and tensors read from files.
+///
+/// Storage is aligned as Eigen aligns its own matrices: Eigen's vectorised
+/// reductions (a mean, a dot product over a row) peel elements until the
+/// first aligned packet, so on a buffer of varying alignment the summation
+/// order, and the last bit of the result, would follow the address.
 template <class T>
 class Tensor {
  public:
@@ -144,7 +149,7 @@ class Tensor {
 
  private:
   std::vector<Index> shape_;
-  std::vector<T> data_;
+  std::vector<T, Eigen::aligned_allocator<T>> data_;
 };
 
 }  // namespace headmix
