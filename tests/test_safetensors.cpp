@@ -17,6 +17,13 @@
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/inotify.h>
+#endif
+
 namespace {
 
 using headmix::Index;
@@ -238,6 +245,55 @@ TEST(Safetensors, F16KnownBitPatterns) {
   EXPECT_EQ(encode_one(std::numeric_limits<double>::denorm_min(), DType::F16), 0x0000);
 }
 
+TEST(Safetensors, WideIntegersAndLongDoublesRoundOnce) {
+  // 2^62 + 2^54 + 1 lies just above the midpoint between the BF16 values
+  // 2^62 (0x5E80) and 2^62 + 2^55 (0x5E81), so it rounds up; through double
+  // it would first become the midpoint 2^62 + 2^54 and then tie to even.
+  const std::int64_t wide = (std::int64_t{1} << 62) + (std::int64_t{1} << 54) + 1;
+  headmix::Tensor<std::int64_t> ints({2});
+  ints[0] = wide;
+  ints[1] = -wide;
+  EXPECT_EQ(bits16_of(StoredTensor::from(ints, DType::BF16)), (std::vector<std::uint16_t>{0x5E81, 0xDE81}));
+  headmix::Tensor<std::int64_t> extremes({2});
+  extremes[0] = std::numeric_limits<std::int64_t>::min();  // -2^63 exactly: 0xDF00
+  extremes[1] = std::numeric_limits<std::int64_t>::max();  // rounds up to 2^63: 0x5F00
+  EXPECT_EQ(bits16_of(StoredTensor::from(extremes, DType::BF16)), (std::vector<std::uint16_t>{0xDF00, 0x5F00}));
+  // 1 + 2^-11 + 2^-60 is just above the F16 midpoint 1 + 2^-11 between 0x3C00 and 0x3C01.
+  if (std::numeric_limits<long double>::digits > 61) {
+    headmix::Tensor<long double> longs({1});
+    longs[0] = 1.0L + std::ldexp(1.0L, -11) + std::ldexp(1.0L, -60);
+    EXPECT_EQ(bits16_of(StoredTensor::from(longs, DType::F16)).at(0), 0x3C01);
+  }
+
+  // Against a naive search over every finite BF16 value, for int64 (exact in
+  // an 80-bit long double): the nearest, ties to the even bit pattern.
+  if (std::numeric_limits<long double>::digits < 64) GTEST_SKIP() << "needs a 64-bit long double significand";
+  std::vector<long double> finite;  // value of positive pattern b at finite[b]
+  for (std::uint32_t b = 0; b < 0x7F80; ++b) finite.push_back(decode_one(static_cast<std::uint16_t>(b), DType::BF16));
+  // Every sample is a tie between two BF16 values or one off it: the 8
+  // significant bits from the leading one, then the half-quantum bit set and
+  // zeros below (tie), plus 0, 1 or -1.
+  std::mt19937_64 random(7);
+  headmix::Tensor<std::int64_t> samples({300});
+  for (Index i = 0; i < samples.size(); ++i) {
+    const int bits = 9 + static_cast<int>(random() % 54);  // 9..62: room for a half-quantum below 8 bits
+    const std::int64_t value = static_cast<std::int64_t>(random() >> (64 - bits)) | (std::int64_t{1} << (bits - 1));
+    const int dropped = bits - 8;  // bits below BF16's quantum
+    const std::int64_t tie = (value >> dropped << dropped) | (std::int64_t{1} << (dropped - 1));
+    samples[i] = tie + (i % 3 == 0 ? 0 : i % 3 == 1 ? 1 : -1);
+  }
+  const std::vector<std::uint16_t> encoded = bits16_of(StoredTensor::from(samples, DType::BF16));
+  for (Index i = 0; i < samples.size(); ++i) {
+    const long double v = static_cast<long double>(samples[i]);
+    std::uint32_t best = 0;
+    for (std::uint32_t b = 1; b < finite.size(); ++b) {
+      const long double d = std::fabs(finite[b] - v), best_d = std::fabs(finite[best] - v);
+      if (d < best_d || (d == best_d && (b & 1) == 0)) best = b;
+    }
+    EXPECT_EQ(encoded[static_cast<std::size_t>(i)], best) << samples[i];
+  }
+}
+
 TEST(Safetensors, BF16KnownBitPatterns) {
   const struct {
     std::uint16_t bits;
@@ -441,6 +497,55 @@ TEST(Safetensors, UnreadablePathsNameThePath) {
   EXPECT_THROW(save_safetensors(missing + "/not_a_dir/x.safetensors", TensorFile{}), io_error);
 }
 
+TEST(Safetensors, FifosAndDevicesAreRefusedWithoutBlocking) {
+  // A FIFO with no writer is refused at once instead of stalling the open.
+  const std::filesystem::path fifo = temp_path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+#ifdef __linux__
+  // ... and is never opened at all: opening a device (a watchdog, a tty)
+  // can have effects of its own. inotify sees every open of the path.
+  const int watcher = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  ASSERT_GE(watcher, 0);
+  ASSERT_GE(::inotify_add_watch(watcher, fifo.c_str(), IN_OPEN), 0);
+#endif
+  try {
+    load_safetensors(fifo.string());
+    FAIL() << "read a FIFO";
+  } catch (const io_error& error) {
+    EXPECT_NE(std::string(error.what()).find("not a regular file"), std::string::npos) << error.what();
+  }
+#ifdef __linux__
+  alignas(inotify_event) char events[4096];
+  EXPECT_LT(::read(watcher, events, sizeof events), 0) << "the FIFO was opened";
+  ::close(watcher);
+#endif
+  std::filesystem::remove(fifo);
+  if (std::filesystem::exists("/dev/zero")) {
+    EXPECT_THROW(load_safetensors("/dev/zero"), io_error);
+  }
+}
+
+TEST(Safetensors, TheOpenedFileIsBlockingAgain) {
+  // O_NONBLOCK only guards the open: the descriptor that is read is left as
+  // an ordinary blocking one.
+  const std::filesystem::path path = temp_path("blocking");
+  save_safetensors(path.string(), TensorFile{});
+  {
+    const headmix::io::detail::InputFile in(path.string());
+    EXPECT_EQ(::fcntl(in.descriptor(), F_GETFL) & O_NONBLOCK, 0);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(Safetensors, TheWriterRefusesWhatTheReaderWould) {
+  // A rank over the reader's cap cannot be stored either.
+  StoredTensor deep{DType::U8, std::vector<Index>(1025, 0), {}};
+  TensorFile file;
+  EXPECT_THROW(file.put("deep", deep), io_error);
+  deep.shape.resize(1024);
+  EXPECT_NO_THROW(file.put("deep", deep));
+}
+
 TEST(Safetensors, ConformanceFilesLoad) {
   const std::filesystem::path root = HEADMIX_CONFORMANCE_DIR;
   if (!std::filesystem::is_directory(root)) GTEST_SKIP() << "no conformance folder at " << root;
@@ -623,7 +728,34 @@ TEST(Safetensors, HostileInputMessagesSayWhatIsWrong) {
   EXPECT_NE(message(edited("[3]", "[-3]")).find("'b'"), std::string::npos);
   EXPECT_NE(message(with_header_length(valid_file(), std::uint64_t{1} << 63)).find("header length"), std::string::npos);
   EXPECT_NE(message(edited(R"({"k":"v"})", R"({"k":1})")).find("__metadata__"), std::string::npos);
-  EXPECT_NE(message(edited(R"("dtype":"I16")", R"("dtype":"I16","dtype":"I8")")).find("duplicate"), std::string::npos);
+  EXPECT_NE(message(edited(R"("dtype":"I16")", R"("dtype":"I16","dtype":"I8")")).find("'b': duplicate key 'dtype'"),
+            std::string::npos);
+  EXPECT_NE(message(edited(R"({"k":"v"})", R"({"k":"v","k":"w"})")).find("duplicate __metadata__ key 'k'"),
+            std::string::npos);
+}
+
+TEST(Safetensors, ParseErrorsStayShortAndSayWhere) {
+  // nlohmann's message quotes the whole token it was reading: an unclosed
+  // string of a megabyte must not make a megabyte of error text.
+  const std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},")" + std::string(1'000'000, 'x');
+  try {
+    parse(make_file(header, Bytes(4)));
+    FAIL() << "parsed";
+  } catch (const io_error& error) {
+    const std::string what = error.what();
+    EXPECT_LT(what.size(), 400u) << what.substr(0, 400);
+    // Bytes count from 1: the closing quote was due just past the last one.
+    EXPECT_NE(what.find("header is not valid JSON at byte " + std::to_string(header.size() + 1) + ": "),
+              std::string::npos)
+        << what.substr(0, 400);
+  }
+}
+
+TEST(Safetensors, ParsedShapesHoldNoSpareCapacity) {
+  // The parsed header costs a small multiple of its text: a shape of n
+  // extents keeps n, not the next power of two.
+  const TensorFile file = parse(make_file(R"({"z":{"dtype":"U8","shape":[0,0,0,0,0],"data_offsets":[0,0]}})", {}));
+  EXPECT_EQ(file.at("z").shape.capacity(), 5u);
 }
 
 TEST(Safetensors, EveryTruncationParsesOrThrowsIoError) {

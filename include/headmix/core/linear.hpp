@@ -4,8 +4,14 @@
 
 #include "headmix/core/error.hpp"
 #include "headmix/core/types.hpp"
+#include "headmix/io/io_error.hpp"
 
+#include <algorithm>
+#include <initializer_list>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
 
 namespace headmix {
 
@@ -16,9 +22,11 @@ struct Linear {
 
   Index in_features() const { return weight.cols(); }
   Index out_features() const { return weight.rows(); }
+  /// In code, an empty bias means "no bias" and an empty Linear "no such
+  /// projection". A stored tensor is never read as empty: read_linear and
+  /// from_tensors refuse a tensor with no elements, so absent means not in
+  /// the file. A weight [0, n] or [n, 0] is a shape error (check_optional).
   bool has_bias() const { return bias.size() != 0; }
-  /// No weight and no bias: the layer has no such projection. A weight with
-  /// a zero dimension is not "absent" but a shape error (check_optional).
   bool empty() const { return weight.rows() == 0 && weight.cols() == 0 && !has_bias(); }
 
   /// `y = x · weightᵀ + bias` for the rows of `x`; `y` must already be [x.rows(), out].
@@ -56,25 +64,118 @@ struct Linear {
   }
 };
 
+namespace detail {
+
+/// Weights use an empty matrix (or a rank-0 Tensor) for "absent", so a
+/// tensor that is in the source must hold elements and have a rank: else a
+/// stored [0] bias or [0, 0] weight would silently become a missing one and
+/// the layer would run as another model.
+inline void check_stored(const std::string& name, const Shape& shape, Index size) {
+  if (shape.rank() != 0 && size != 0) return;
+  throw_shape("io", name, "a tensor with at least one element (a stored tensor is never taken for an absent one)",
+              format_shape(shape));
+}
+
+template <class T, class Source>
+Matrix<T> read_matrix(const Source& tensors, const std::string& name) {
+  Matrix<T> m = tensors.template matrix<T>(name);
+  check_stored(name, {m.rows(), m.cols()}, m.size());
+  return m;
+}
+
+template <class T, class Source>
+Vector<T> read_vector(const Source& tensors, const std::string& name) {
+  Vector<T> v = tensors.template vector<T>(name);
+  check_stored(name, {v.size()}, v.size());
+  return v;
+}
+
+template <class T, class Source>
+Tensor<T> read_tensor(const Source& tensors, const std::string& name) {
+  Tensor<T> t = tensors.template get<T>(name);
+  check_stored(name, t.shape(), t.rank() == 0 ? 0 : t.size());
+  return t;
+}
+
+}  // namespace detail
+
 /// Read `<name>.weight` and, when present, `<name>.bias` from any source of
 /// named tensors that has `contains(name)`, `matrix<T>(name)` and
 /// `vector<T>(name)` (io::TensorFile is one). A missing weight is the
-/// source's error (io::io_error names the tensor).
+/// source's error (io::io_error names the tensor); a stored tensor without
+/// elements is a shape_error, never "no bias".
 template <class T, class Source>
 Linear<T> read_linear(const Source& tensors, const std::string& name) {
   Linear<T> lin;
-  lin.weight = tensors.template matrix<T>(name + ".weight");
-  if (tensors.contains(name + ".bias")) lin.bias = tensors.template vector<T>(name + ".bias");
+  lin.weight = detail::read_matrix<T>(tensors, name + ".weight");
+  if (tensors.contains(name + ".bias")) lin.bias = detail::read_vector<T>(tensors, name + ".bias");
   return lin;
 }
+
+namespace detail {
+/// An optional projection: absent when neither tensor is stored; a bias
+/// without its weight is the missing weight's io_error.
+template <class T, class Source>
+Linear<T> read_optional_linear(const Source& tensors, const std::string& name) {
+  if (!tensors.contains(name + ".weight") && !tensors.contains(name + ".bias")) return {};
+  return read_linear<T>(tensors, name);
+}
+
+/// Sources that can list their names: a `tensors` map keyed by name, as
+/// io::TensorFile (and a plain std::map adapter) has.
+template <class Source, class = void>
+struct lists_tensors : std::false_type {};
+template <class Source>
+struct lists_tensors<Source, std::void_t<decltype(std::declval<const Source&>().tensors.lower_bound(std::string()))>>
+    : std::true_type {};
+
+/// The stem of a tensor name: up to its first '.' ("q" of "q.weight").
+inline std::string_view name_stem(std::string_view name) { return name.substr(0, name.find('.')); }
+
+/// A stored name under `prefix` whose stem is one of the layer's but which is
+/// not one of `tensor_names` ("attn.q.bias" for a layer without a q bias)
+/// would be silently dropped: io_error. Names with other stems stay allowed,
+/// since a broader prefix also holds other layers' tensors. Only a source
+/// that can list its names is checked (lists_tensors); an adapter with just
+/// contains/matrix/vector cannot say what else it holds.
+template <class Source>
+void check_no_stray_tensors(const Source& tensors, const std::string& prefix,
+                            std::initializer_list<const char*> tensor_names) {
+  if constexpr (lists_tensors<Source>::value) {
+    const auto& stored = tensors.tensors;
+    for (auto it = stored.lower_bound(prefix); it != stored.end(); ++it) {
+      const std::string& name = it->first;
+      if (name.compare(0, prefix.size(), prefix) != 0) break;  // past the names under prefix
+      const std::string_view rest = std::string_view(name).substr(prefix.size());
+      bool own_stem = false, own_name = false;
+      for (const char* own : tensor_names) {
+        own_stem = own_stem || name_stem(own) == name_stem(rest);
+        own_name = own_name || rest == own;
+      }
+      if (!own_stem || own_name) continue;
+      std::string own;
+      for (const char* n : tensor_names) own += (own.empty() ? "" : ", ") + std::string(n);
+      const std::string shown = name.size() <= 200 ? name : name.substr(0, 200) + "...";
+      throw io::io_error("'" + shown + "' is not a tensor of this layer, which reads " + own +
+                         (prefix.empty() ? std::string() : " under the prefix '" + prefix + "'"));
+    }
+  }
+}
+
+}  // namespace detail
 
 /// Run `build()` (a layer constructor over tensors read from `tensors` under
 /// `prefix`) so that a shape_error names the tensor as it is stored: an
 /// argument "o.weight" of "[mha] o.weight: expected ..." becomes
-/// "attn.o.weight" when the source holds "attn.o.weight". Options and other
-/// arguments keep their names.
+/// "attn.o.weight" when it is one of the layer's `tensor_names` and the
+/// source holds "attn.o.weight". Options are never tensors: "num_heads"
+/// keeps its name even if the file has a tensor "attn.num_heads". First, a
+/// stored name under one of the layer's stems that is none of its
+/// `tensor_names` is an io_error (detail::check_no_stray_tensors).
 template <class Source, class Build>
-auto with_tensor_prefix(const Source& tensors, const std::string& prefix, Build&& build) -> decltype(build()) {
+auto with_tensor_prefix(const Source& tensors, const std::string& prefix,
+                        std::initializer_list<const char*> tensor_names, Build&& build) -> decltype(build()) {
+  detail::check_no_stray_tensors(tensors, prefix, tensor_names);
   try {
     return build();
   } catch (const shape_error& e) {
@@ -82,7 +183,11 @@ auto with_tensor_prefix(const Source& tensors, const std::string& prefix, Build&
     const std::size_t start = what.find("] ");
     if (prefix.empty() || start == std::string::npos) throw;
     const std::size_t end = what.find_first_of(" :", start + 2);
-    if (end == std::string::npos || !tensors.contains(prefix + what.substr(start + 2, end - start - 2))) throw;
+    if (end == std::string::npos) throw;
+    const std::string arg = what.substr(start + 2, end - start - 2);
+    const bool is_tensor =
+        std::find(tensor_names.begin(), tensor_names.end(), arg) != tensor_names.end() && tensors.contains(prefix + arg);
+    if (!is_tensor) throw;
     throw shape_error(what.substr(0, start + 2) + prefix + what.substr(start + 2));
   }
 }

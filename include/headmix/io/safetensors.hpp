@@ -10,12 +10,16 @@
 // io_error: sizes are checked before any allocation or copy, so a lying header
 // can neither read out of bounds nor make a tensor allocate more bytes than
 // the input actually holds. Besides the tensors, memory goes to the parsed
-// header, whose text is capped at 100 MB. Two things are stricter than the Rust
-// reference implementation: duplicate JSON keys are rejected (two readers
-// could otherwise disagree on which tensor a name means), and a shape's
-// non-zero extents must multiply to a byte count that fits in 63 bits even
-// when another extent is 0. Gaps between tensors in the data buffer are
-// tolerated; overlapping tensors are not.
+// header, whose text is capped at 100 MB; it is checked while it is parsed
+// (no JSON tree), so it costs a few times its text at most. Stricter than the
+// Rust reference implementation: duplicate JSON keys are rejected (two
+// readers could otherwise disagree on which tensor a name means), so are
+// unknown fields in a tensor entry (they could change what the bytes mean)
+// and shapes of more than 1024 extents; a shape's non-zero extents must
+// multiply to a byte count that fits in 63 bits even when another extent is
+// 0; and a file is only accepted if the writer can write it back (its
+// header, tensors in name order, also fits in 100 MB). Gaps between tensors
+// in the data buffer are tolerated; overlapping tensors are not.
 //
 // Data is copied with memcpy, so the host must be little-endian, like every
 // platform headmix targets (checked at compile time where the compiler says).
@@ -25,6 +29,7 @@
 
 #include "headmix/core/error.hpp"
 #include "headmix/core/types.hpp"
+#include "headmix/io/io_error.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -37,14 +42,21 @@
 #include <fstream>
 #include <limits>
 #include <map>
-#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <cerrno>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#endif
 
 #if defined(__BYTE_ORDER__) && defined(__ORDER_LITTLE_ENDIAN__)
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
@@ -53,13 +65,6 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
 #endif
 
 namespace headmix::io {
-
-/// A malformed file, an unreadable path, a missing tensor, or a value that
-/// does not fit the requested element type.
-class io_error : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 /// The element types headmix reads and writes (a subset of safetensors').
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
@@ -193,7 +198,9 @@ struct TensorFile {
 namespace detail {
 
 constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;  // as in the Rust reference reader
-constexpr int kMaxHeaderDepth = 16;                     // a valid header needs 3 levels
+/// Extents a shape may have: far above any real tensor's rank, and it keeps
+/// a hostile "shape": [0, 0, ...] of millions of zeros from costing gigabytes.
+constexpr std::size_t kMaxTensorRank = 1024;
 
 /// Element count of a shape, checked so that (product of non-zero extents) *
 /// element_size fits in an Index: then no partial product of the extents,
@@ -202,6 +209,9 @@ inline Index checked_numel(const std::vector<Index>& shape, DType dtype, const s
   const auto max_bytes = static_cast<std::uint64_t>(
       std::min<std::uintmax_t>(std::numeric_limits<Index>::max(), std::numeric_limits<std::size_t>::max()));
   const std::uint64_t max_count = max_bytes / dtype_size(dtype);
+  if (shape.size() > kMaxTensorRank)
+    fail(context + ": shape has " + std::to_string(shape.size()) + " extents, more than " +
+         std::to_string(kMaxTensorRank));
   std::uint64_t product = 1;
   bool has_zero = false;
   for (const Index extent : shape) {
@@ -266,48 +276,84 @@ inline float bf16_bits_to_float(std::uint16_t bf16) {
   return value;
 }
 
-/// Round a double to a binary format with `exponent_bits` and
-/// `fraction_bits` (IEEE-style: bias, subnormals, inf, NaN) to nearest, ties
-/// to even, and return its bits. Rounding directly from double avoids the
-/// double rounding of going through float.
-inline std::uint16_t round_double_to_small_float(double value, int exponent_bits, int fraction_bits) {
-  std::uint64_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  const auto sign = static_cast<std::uint16_t>((bits >> 63) << (exponent_bits + fraction_bits));
+/// Round a positive number (magnitude + f) * 2^exponent, 0 <= f < 1 and f > 0
+/// exactly when `sticky`, to a binary format with `exponent_bits` and
+/// `fraction_bits` (IEEE-style: bias, subnormals, inf) to nearest, ties to
+/// even, and return its bits without the sign. Every source type reduces to
+/// this exactly (see small_float_bits), so nothing is rounded twice.
+inline std::uint16_t round_to_small_float(std::uint64_t magnitude, int exponent, bool sticky, int exponent_bits,
+                                          int fraction_bits) {
   const auto infinity = static_cast<std::uint16_t>(((1u << exponent_bits) - 1) << fraction_bits);
-  const int double_exponent_field = static_cast<int>((bits >> 52) & 0x7FF);
-  std::uint64_t significand = bits & ((std::uint64_t{1} << 52) - 1);
-  if (double_exponent_field == 0x7FF)  // inf, or NaN made quiet
-    return static_cast<std::uint16_t>(sign | infinity | (significand ? 1u << (fraction_bits - 1) : 0u));
-  // Zero, or a double subnormal: far below half the smallest F16/BF16 subnormal.
-  if (double_exponent_field == 0) return sign;
-
-  significand |= std::uint64_t{1} << 52;  // value = significand * 2^(exponent - 52)
-  const int exponent = double_exponent_field - 1023;
+  // Normalise so that bit 63 is the leading 1: then the rounding point is
+  // always inside `magnitude` and `sticky` only breaks ties.
+  while ((magnitude >> 63) == 0) {
+    magnitude <<= 1;
+    --exponent;
+  }
+  const int value_exponent = exponent + 63;  // value in [2^value_exponent, 2^(value_exponent + 1))
   const int bias = (1 << (exponent_bits - 1)) - 1;
   const int min_exponent = 1 - bias;
   // Below min_exponent the target's quantum stays 2^(min_exponent - fraction_bits): subnormals.
-  int target_exponent = std::max(exponent, min_exponent);
-  const int shift = 52 - fraction_bits + (target_exponent - exponent);
-  if (shift >= 54) return sign;  // less than half the smallest subnormal
-  std::uint64_t quanta = significand >> shift;
-  const std::uint64_t remainder = significand & ((std::uint64_t{1} << shift) - 1);
-  const std::uint64_t half = std::uint64_t{1} << (shift - 1);
-  if (remainder > half || (remainder == half && (quanta & 1))) ++quanta;
+  int target_exponent = std::max(value_exponent, min_exponent);
+  const int shift = target_exponent - fraction_bits - exponent;  // >= 63 - fraction_bits > 0
+  std::uint64_t quanta, remainder, half;
+  if (shift > 64) return 0;  // below half the smallest subnormal
+  if (shift == 64) {
+    quanta = 0;
+    remainder = magnitude;
+    half = std::uint64_t{1} << 63;
+  } else {
+    quanta = magnitude >> shift;
+    remainder = magnitude & ((std::uint64_t{1} << shift) - 1);
+    half = std::uint64_t{1} << (shift - 1);
+  }
+  if (remainder > half || (remainder == half && (sticky || (quanta & 1)))) ++quanta;
   if (quanta >> (fraction_bits + 1)) {  // rounded up into the next binade
     quanta >>= 1;
     ++target_exponent;
   }
   const std::uint64_t implicit_bit = std::uint64_t{1} << fraction_bits;
-  if (quanta < implicit_bit) return static_cast<std::uint16_t>(sign | quanta);  // subnormal
+  if (quanta < implicit_bit) return static_cast<std::uint16_t>(quanta);  // subnormal (or zero)
   const int biased_exponent = target_exponent + bias;
-  if (biased_exponent >= (1 << exponent_bits) - 1) return static_cast<std::uint16_t>(sign | infinity);
-  return static_cast<std::uint16_t>(sign | (static_cast<std::uint64_t>(biased_exponent) << fraction_bits) |
+  if (biased_exponent >= (1 << exponent_bits) - 1) return infinity;
+  return static_cast<std::uint16_t>((static_cast<std::uint64_t>(biased_exponent) << fraction_bits) |
                                     (quanta - implicit_bit));
 }
 
-inline std::uint16_t double_to_f16_bits(double value) { return round_double_to_small_float(value, 5, 10); }
-inline std::uint16_t double_to_bf16_bits(double value) { return round_double_to_small_float(value, 8, 7); }
+/// `value` (any arithmetic type) as F16 (5, 10) or BF16 (8, 7) bits, rounded
+/// once, to nearest, ties to even, from the exact value: an int64 or a long
+/// double is not first rounded to double.
+template <class V>
+std::uint16_t small_float_bits(V value, int exponent_bits, int fraction_bits) {
+  const auto sign_bit = static_cast<std::uint16_t>(1u << (exponent_bits + fraction_bits));
+  if constexpr (std::is_floating_point_v<V>) {
+    const std::uint16_t sign = std::signbit(value) ? sign_bit : 0;
+    const auto infinity = static_cast<std::uint16_t>(((1u << exponent_bits) - 1) << fraction_bits);
+    if (std::isnan(value)) return static_cast<std::uint16_t>(sign | infinity | (1u << (fraction_bits - 1)));
+    if (std::isinf(value)) return static_cast<std::uint16_t>(sign | infinity);
+    if (value == 0) return sign;
+    int exponent = 0;
+    // |value| = m * 2^exponent with m in [0.5, 1): the top 64 bits of m are
+    // an integer, and whatever is left below them only sets `sticky`.
+    const V scaled = std::ldexp(std::frexp(std::fabs(value), &exponent), 64);
+    const V whole = std::floor(scaled);
+    const auto magnitude = static_cast<std::uint64_t>(whole);
+    return static_cast<std::uint16_t>(
+        sign | round_to_small_float(magnitude, exponent - 64, scaled != whole, exponent_bits, fraction_bits));
+  } else {
+    if (value == 0) return 0;
+    bool negative = false;
+    if constexpr (std::is_signed_v<V>) negative = value < 0;
+    // Two's complement: the magnitude of the most negative value still fits in 64 bits.
+    const auto magnitude = negative ? std::uint64_t{0} - static_cast<std::uint64_t>(value)
+                                    : static_cast<std::uint64_t>(value);
+    return static_cast<std::uint16_t>((negative ? sign_bit : 0) |
+                                      round_to_small_float(magnitude, 0, false, exponent_bits, fraction_bits));
+  }
+}
+
+inline std::uint16_t double_to_f16_bits(double value) { return small_float_bits(value, 5, 10); }
+inline std::uint16_t double_to_bf16_bits(double value) { return small_float_bits(value, 8, 7); }
 
 // ---- element conversion ----------------------------------------------------
 
@@ -421,69 +467,21 @@ void encode_elements(const T* in, Index count, unsigned char* target, const std:
   }
 }
 
-template <class T, class Encode>
-void encode_small_floats(const T* in, Index count, unsigned char* target, Encode encode) {
+template <class T>
+void encode_small_floats(const T* in, Index count, unsigned char* target, int exponent_bits, int fraction_bits) {
   for (Index i = 0; i < count; ++i) {
-    const std::uint16_t bits = encode(static_cast<double>(in[i]));
+    const std::uint16_t bits = small_float_bits(in[i], exponent_bits, fraction_bits);
     std::memcpy(target + static_cast<std::size_t>(i) * 2, &bits, 2);
   }
 }
 
 // ---- header ----------------------------------------------------------------
 
-/// SAX pass over the header before building the DOM: rejects invalid JSON,
-/// duplicate keys, and nesting deeper than any valid header needs.
-class HeaderPrecheck : public nlohmann::json_sax<nlohmann::json> {
- public:
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override {
-    if (!enter()) return false;
-    open_object_keys_.emplace_back();
-    return true;
-  }
-  bool key(string_t& name) override {
-    if (open_object_keys_.back().insert(name).second) return true;
-    problem_ = "duplicate key " + quote_name(name) + " in the header";
-    return false;
-  }
-  bool end_object() override {
-    open_object_keys_.pop_back();
-    --depth_;
-    return true;
-  }
-  bool start_array(std::size_t) override { return enter(); }
-  bool end_array() override {
-    --depth_;
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::json::exception& error) override {
-    problem_ = std::string("header is not valid JSON: ") + error.what();
-    return false;
-  }
-  const std::string& problem() const { return problem_; }
-
- private:
-  bool enter() {
-    if (++depth_ <= kMaxHeaderDepth) return true;
-    problem_ = "header JSON is nested deeper than " + std::to_string(kMaxHeaderDepth) + " levels";
-    return false;
-  }
-  int depth_ = 0;
-  std::vector<std::set<std::string>> open_object_keys_;
-  std::string problem_;
-};
-
 struct HeaderEntry {
   std::string name;
-  DType dtype;
+  DType dtype = DType::F64;
   std::vector<Index> shape;
-  std::uint64_t begin, end;  ///< byte range in the data buffer
+  std::uint64_t begin = 0, end = 0;  ///< byte range in the data buffer
 };
 
 struct ParsedHeader {
@@ -491,117 +489,227 @@ struct ParsedHeader {
   std::map<std::string, std::string> metadata;
 };
 
-/// A JSON value as text for an error message, cut short.
-inline std::string json_text(const nlohmann::json& value) {
-  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+/// A string from the header as JSON text for an error message, cut short.
+inline std::string json_string_text(const std::string& value) {
+  std::string text = nlohmann::json(value).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (text.size() > 40) text = text.substr(0, 40) + "...";
   return text;
 }
 
-/// A non-negative JSON integer ("-0" included); false for anything else.
-inline bool read_count(const nlohmann::json& value, std::uint64_t& out) {
-  if (value.is_number_unsigned()) {
-    out = value.get<std::uint64_t>();
+/// The start of a JSON library message: nlohmann quotes the whole token it
+/// was reading, which a hostile header can make megabytes long.
+inline std::string json_error_text(const char* what) {
+  constexpr std::size_t kShown = 200;
+  const std::string_view text(what);
+  if (text.size() <= kShown) return std::string(text);
+  return std::string(text.substr(0, kShown)) + "... (" + std::to_string(text.size()) + " bytes)";
+}
+
+/// Reads the header from SAX events straight into HeaderEntry values and
+/// checks its layout as it goes: a root object of tensor entries, each an
+/// object of exactly dtype, shape and data_offsets, plus an optional
+/// "__metadata__" object of strings. No JSON DOM is built and the first
+/// malformation ends the parse, so the parsed header costs its names, 8
+/// bytes per shape extent and about 100 bytes per tensor: a few times its
+/// text at most. (Nothing valid nests deeper than 3 levels, so neither does
+/// anything this accepts.)
+class HeaderReader : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  explicit HeaderReader(std::uint64_t data_size) : data_size_(data_size) {}
+
+  bool null() override { return wrong("null"); }
+  bool boolean(bool value) override { return wrong(value ? "true" : "false"); }
+  bool number_integer(number_integer_t value) override {  // negative, or "-0"
+    return value == 0 ? count(0) : wrong(std::to_string(value));
+  }
+  bool number_unsigned(number_unsigned_t value) override { return count(value); }
+  bool number_float(number_float_t, const string_t& text) override {
+    return wrong(text.size() > 40 ? text.substr(0, 40) + "..." : text);
+  }
+  bool binary(binary_t&) override { return wrong("binary data"); }
+  bool string(string_t& value) override {
+    if (where_ == Where::metadata) {
+      metadata_.emplace(key_, value);
+      return true;
+    }
+    if (where_ != Where::entry || field_ != Field::dtype) return wrong(json_string_text(value));
+    if (!dtype_from_name(value, entry_.dtype)) return problem(context() + ": " + unsupported_dtype(value));
     return true;
   }
-  if (value.is_number_integer() && value.get<std::int64_t>() == 0) {
-    out = 0;
+  bool start_object(std::size_t) override {
+    if (where_ == Where::root) return go(Where::top);
+    if (where_ != Where::top) return wrong("an object");
+    if (key_is_metadata_) return go(Where::metadata);
+    entry_ = HeaderEntry{key_, DType::F64, {}, 0, 0};
+    seen_fields_ = 0;
+    return go(Where::entry);
+  }
+  bool key(string_t& name) override {
+    if (where_ == Where::top) {
+      key_is_metadata_ = name == "__metadata__";
+      if (key_is_metadata_ && metadata_seen_) return problem("duplicate key " + quote_name(name) + " in the header");
+      metadata_seen_ = metadata_seen_ || key_is_metadata_;
+      key_ = name;  // duplicate tensor names are found after the parse
+      return true;
+    }
+    if (where_ == Where::metadata) {
+      if (metadata_.count(name)) return problem("duplicate __metadata__ key " + quote_name(name));
+      key_ = name;
+      return true;
+    }
+    // Inside a tensor entry. A field headmix does not know could change
+    // what the bytes mean, so it is refused rather than ignored.
+    static const char* const kFields[] = {"dtype", "shape", "data_offsets"};
+    for (int f = 0; f < 3; ++f) {
+      if (name != kFields[f]) continue;
+      if (seen_fields_ & (1u << f)) return problem(context() + ": duplicate key " + quote_name(name));
+      seen_fields_ |= 1u << f;
+      field_ = static_cast<Field>(f);
+      return true;
+    }
+    return problem(context() + ": unknown field " + quote_name(name) +
+                   " (a tensor entry holds dtype, shape and data_offsets)");
+  }
+  bool end_object() override {
+    if (where_ == Where::entry) return finish_entry() && go(Where::top);
+    if (where_ == Where::metadata) return go(Where::top);
+    return go(Where::done);
+  }
+  bool start_array(std::size_t) override {
+    if (where_ != Where::entry || field_ == Field::dtype) return wrong("an array");
+    return go(field_ == Field::shape ? Where::shape : Where::offsets);
+  }
+  bool end_array() override {
+    if (where_ == Where::offsets && offsets_read_ != 2)
+      return problem(context() + ": data_offsets hold " + std::to_string(offsets_read_) +
+                     " entries, not two non-negative integers");
+    offsets_read_ = 0;
+    return go(Where::entry);
+  }
+  bool parse_error(std::size_t position, const std::string&, const nlohmann::json::exception& error) override {
+    return problem("header is not valid JSON at byte " + std::to_string(position) + ": " +
+                   json_error_text(error.what()));
+  }
+
+  const std::string& error() const { return problem_; }
+  std::vector<HeaderEntry>& tensors() { return tensors_; }
+  std::map<std::string, std::string>& metadata() { return metadata_; }
+
+ private:
+  enum class Where { root, top, entry, metadata, shape, offsets, done };
+  enum class Field { dtype, shape, offsets };
+
+  bool go(Where where) {
+    where_ = where;
     return true;
   }
-  return false;
-}
-
-inline const nlohmann::json& required_field(const nlohmann::json& entry, const char* field, const std::string& context) {
-  const auto found = entry.find(field);
-  if (found == entry.end()) fail(context + ": missing '" + field + "'");
-  return *found;
-}
-
-inline HeaderEntry parse_entry(const std::string& name, const nlohmann::json& entry, std::uint64_t data_size) {
-  const std::string context = tensor_context(name);
-  if (!entry.is_object()) fail(context + ": header entry is " + json_text(entry) + ", not an object");
-  HeaderEntry parsed{name, DType::F64, {}, 0, 0};
-
-  const nlohmann::json& dtype = required_field(entry, "dtype", context);
-  if (!dtype.is_string()) fail(context + ": dtype " + json_text(dtype) + " is not a string");
-  if (!dtype_from_name(dtype.get<std::string>(), parsed.dtype))
-    fail(context + ": " + unsupported_dtype(dtype.get<std::string>()));
-
-  const nlohmann::json& shape = required_field(entry, "shape", context);
-  if (!shape.is_array()) fail(context + ": shape " + json_text(shape) + " is not an array");
-  parsed.shape.reserve(shape.size());
-  for (const nlohmann::json& extent : shape) {
-    std::uint64_t count = 0;
-    if (!read_count(extent, count))
-      fail(context + ": shape entry " + json_text(extent) + " is not a non-negative integer");
-    if (count > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
-      fail(context + ": shape entry " + std::to_string(count) + " is too large");
-    parsed.shape.push_back(static_cast<Index>(count));
+  bool problem(std::string text) {
+    problem_ = std::move(text);
+    return false;
   }
-  const auto byte_size =
-      static_cast<std::uint64_t>(checked_numel(parsed.shape, parsed.dtype, context)) * dtype_size(parsed.dtype);
+  std::string context() const { return tensor_context(entry_.name); }
 
-  const nlohmann::json& offsets = required_field(entry, "data_offsets", context);
-  if (!offsets.is_array() || offsets.size() != 2 || !read_count(offsets[0], parsed.begin) ||
-      !read_count(offsets[1], parsed.end))
-    fail(context + ": data_offsets " + json_text(offsets) + " are not two non-negative integers");
-  if (parsed.begin > parsed.end)
-    fail(context + ": data_offsets [" + std::to_string(parsed.begin) + ", " + std::to_string(parsed.end) +
-         "] end before they begin");
-  if (parsed.end > data_size)
-    fail(context + ": data_offsets [" + std::to_string(parsed.begin) + ", " + std::to_string(parsed.end) +
-         "] run past the " + std::to_string(data_size) + "-byte data buffer");
-  if (parsed.end - parsed.begin != byte_size)
-    fail(context + ": data_offsets [" + std::to_string(parsed.begin) + ", " + std::to_string(parsed.end) + "] hold " +
-         std::to_string(parsed.end - parsed.begin) + " bytes, but shape " +
-         headmix::detail::format_shape(parsed.shape) + " of " + dtype_name(parsed.dtype) + " needs " +
-         std::to_string(byte_size));
-  return parsed;
-}
-
-inline std::map<std::string, std::string> parse_metadata(const nlohmann::json& metadata) {
-  if (!metadata.is_object()) fail("__metadata__ is " + json_text(metadata) + ", not an object");
-  std::map<std::string, std::string> parsed;
-  for (auto item = metadata.begin(); item != metadata.end(); ++item) {
-    if (!item.value().is_string())
-      fail("__metadata__ value of " + quote_name(item.key()) + " is " + json_text(item.value()) + ", not a string");
-    parsed.emplace(item.key(), item.value().get<std::string>());
+  /// A value that does not belong where it is, described by `what`.
+  bool wrong(const std::string& what) {
+    switch (where_) {
+      case Where::root: return problem("header is " + what + ", not a JSON object");
+      case Where::top:
+        if (key_is_metadata_) return problem("__metadata__ is " + what + ", not an object");
+        return problem(tensor_context(key_) + ": header entry is " + what + ", not an object");
+      case Where::metadata:
+        return problem("__metadata__ value of " + quote_name(key_) + " is " + what + ", not a string");
+      case Where::entry:
+        if (field_ == Field::dtype) return problem(context() + ": dtype " + what + " is not a string");
+        if (field_ == Field::shape) return problem(context() + ": shape " + what + " is not an array");
+        return problem(context() + ": data_offsets " + what + " are not two non-negative integers");
+      case Where::shape: return problem(context() + ": shape entry " + what + " is not a non-negative integer");
+      case Where::offsets:
+        return problem(context() + ": data_offsets entry " + what + " is not a non-negative integer");
+      case Where::done: break;
+    }
+    return problem("header is not valid JSON");
   }
-  return parsed;
-}
+
+  bool count(std::uint64_t value) {
+    if (where_ == Where::shape) {
+      if (value > static_cast<std::uint64_t>(std::numeric_limits<Index>::max()))
+        return problem(context() + ": shape entry " + std::to_string(value) + " is too large");
+      if (entry_.shape.size() >= kMaxTensorRank)
+        return problem(context() + ": shape has more than " + std::to_string(kMaxTensorRank) + " extents");
+      entry_.shape.push_back(static_cast<Index>(value));
+      return true;
+    }
+    if (where_ == Where::offsets) {
+      if (offsets_read_ == 2) return problem(context() + ": data_offsets hold more than two entries");
+      (offsets_read_++ == 0 ? entry_.begin : entry_.end) = value;
+      return true;
+    }
+    return wrong(std::to_string(value));
+  }
+
+  bool finish_entry() {
+    static const char* const kFields[] = {"dtype", "shape", "data_offsets"};
+    for (int f = 0; f < 3; ++f)
+      if (!(seen_fields_ & (1u << f))) return problem(context() + ": missing '" + kFields[f] + "'");
+    const std::uint64_t begin = entry_.begin, end = entry_.end;
+    const std::string range = "data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) + "]";
+    const auto byte_size =
+        static_cast<std::uint64_t>(checked_numel(entry_.shape, entry_.dtype, context())) * dtype_size(entry_.dtype);
+    if (begin > end) return problem(context() + ": " + range + " end before they begin");
+    if (end > data_size_)
+      return problem(context() + ": " + range + " run past the " + std::to_string(data_size_) + "-byte data buffer");
+    if (end - begin != byte_size)
+      return problem(context() + ": " + range + " hold " + std::to_string(end - begin) + " bytes, but shape " +
+                     headmix::detail::format_shape(entry_.shape) + " of " + dtype_name(entry_.dtype) + " needs " +
+                     std::to_string(byte_size));
+    entry_.shape.shrink_to_fit();  // push_back's doubling would keep up to twice the extents
+    tensors_.push_back(std::move(entry_));
+    return true;
+  }
+
+  std::uint64_t data_size_;
+  Where where_ = Where::root;
+  Field field_ = Field::dtype;
+  std::string key_;                ///< the key whose value comes next (top level or metadata)
+  bool key_is_metadata_ = false;
+  bool metadata_seen_ = false;
+  unsigned seen_fields_ = 0;       ///< bit f: kFields[f] of the current entry
+  int offsets_read_ = 0;
+  HeaderEntry entry_;
+  std::vector<HeaderEntry> tensors_;
+  std::map<std::string, std::string> metadata_;
+  std::string problem_;
+};
 
 /// Validate a header whose data buffer holds `data_size` bytes.
 inline ParsedHeader parse_header(const char* text, std::size_t length, std::uint64_t data_size) {
   // nlohmann's lexer takes a NUL byte for the end of input, which would
   // silently drop whatever follows; raw NUL is never valid JSON text anyway.
   if (std::memchr(text, 0, length) != nullptr) fail("header is not valid JSON: it contains a NUL byte");
-  HeaderPrecheck precheck;
-  nlohmann::json root;
+  HeaderReader reader(data_size);
   try {
-    if (!nlohmann::json::sax_parse(text, text + length, &precheck))
-      fail(precheck.problem().empty() ? std::string("header is not valid JSON") : precheck.problem());
-    root = nlohmann::json::parse(text, text + length);
+    if (!nlohmann::json::sax_parse(text, text + length, &reader))
+      fail(reader.error().empty() ? std::string("header is not valid JSON") : reader.error());
   } catch (const nlohmann::json::exception& error) {
-    fail(std::string("header is not valid JSON: ") + error.what());
+    fail("header is not valid JSON: " + json_error_text(error.what()));
   }
-  if (!root.is_object()) fail("header is " + json_text(root) + ", not a JSON object");
 
   ParsedHeader header;
-  header.tensors.reserve(root.size());
-  for (auto item = root.begin(); item != root.end(); ++item) {
-    if (item.key() == "__metadata__")
-      header.metadata = parse_metadata(item.value());
-    else
-      header.tensors.push_back(parse_entry(item.key(), item.value(), data_size));
-  }
+  header.tensors = std::move(reader.tensors());
+  header.metadata = std::move(reader.metadata());
+  auto& tensors = header.tensors;
+  // Two entries of one name: readers could disagree on which one it means.
+  std::sort(tensors.begin(), tensors.end(), [](const HeaderEntry& a, const HeaderEntry& b) { return a.name < b.name; });
+  for (std::size_t i = 1; i < tensors.size(); ++i)
+    if (tensors[i].name == tensors[i - 1].name) fail("duplicate key " + quote_name(tensors[i].name) + " in the header");
 
-  std::sort(header.tensors.begin(), header.tensors.end(), [](const HeaderEntry& a, const HeaderEntry& b) {
+  std::sort(tensors.begin(), tensors.end(), [](const HeaderEntry& a, const HeaderEntry& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   // Sorted by begin, a non-empty range overlaps an earlier one iff it starts
   // before the furthest end so far. Empty tensors occupy no bytes.
   const HeaderEntry* furthest = nullptr;
-  for (const HeaderEntry& entry : header.tensors) {
+  for (const HeaderEntry& entry : tensors) {
     if (entry.begin == entry.end) continue;
     if (furthest && entry.begin < furthest->end)
       fail("tensors " + quote_name(furthest->name) + " and " + quote_name(entry.name) + " overlap in the data buffer");
@@ -651,8 +759,22 @@ inline std::string build_header(const TensorFile& file) {
   }
   header += '}';
   header.append((8 - header.size() % 8) % 8, ' ');
-  if (header.size() > kMaxHeaderBytes) fail("header of " + std::to_string(header.size()) + " bytes is too large");
+  if (header.size() > kMaxHeaderBytes)
+    fail("header of " + std::to_string(header.size()) + " bytes exceeds the " + std::to_string(kMaxHeaderBytes) +
+         "-byte limit");
   return header;
+}
+
+/// Whatever the reader accepts, the writer must be able to write back. The
+/// written header lays the tensors out in name order, whose offsets can take
+/// more digits than the file's own (empty tensors at [0, 0], say), so a
+/// header just under the limit can come out over it: such a file is refused.
+inline void check_writable(const TensorFile& file) {
+  try {
+    (void)build_header(file);
+  } catch (const io_error& error) {
+    throw io_error(std::string(error.what()) + " when written back (tensors in name order)");
+  }
 }
 
 inline void append_u64_le(std::string& out, std::uint64_t value) {
@@ -688,8 +810,8 @@ StoredTensor StoredTensor::from(const headmix::Tensor<T>& t, DType stored) {
   switch (stored) {
     case DType::F64: detail::encode_elements<double>(in, count, target, context); break;
     case DType::F32: detail::encode_elements<float>(in, count, target, context); break;
-    case DType::F16: detail::encode_small_floats(in, count, target, detail::double_to_f16_bits); break;
-    case DType::BF16: detail::encode_small_floats(in, count, target, detail::double_to_bf16_bits); break;
+    case DType::F16: detail::encode_small_floats(in, count, target, 5, 10); break;
+    case DType::BF16: detail::encode_small_floats(in, count, target, 8, 7); break;
     case DType::I64: detail::encode_elements<std::int64_t>(in, count, target, context); break;
     case DType::I32: detail::encode_elements<std::int32_t>(in, count, target, context); break;
     case DType::I16: detail::encode_elements<std::int16_t>(in, count, target, context); break;
@@ -763,31 +885,114 @@ inline TensorFile parse_safetensors(const unsigned char* data, std::size_t size)
                         std::vector<unsigned char>(buffer + entry.begin, buffer + entry.end)};
     file.tensors.emplace(std::move(entry.name), std::move(tensor));
   }
+  detail::check_writable(file);
   return file;
 }
+
+namespace detail {
+
+#if defined(__unix__) || defined(__APPLE__)
+/// An open file, read by offset. The path is stat()ed first and only a
+/// regular file is opened: opening a device (a watchdog, a tty) can have
+/// effects of its own. The open is non-blocking (a FIFO swapped in cannot
+/// stall it), and the descriptor must then be the same regular file, so a
+/// path swapped between the check and the open is refused too.
+class InputFile {
+ public:
+  explicit InputFile(const std::string& path) {
+    struct stat named {};
+    if (::stat(path.c_str(), &named) != 0) throw_errno("cannot access");
+    if (!S_ISREG(named.st_mode)) throw io_error("not a regular file");
+    fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    if (fd_ < 0) throw_errno("cannot open for reading");
+    try {
+      struct stat opened {};
+      if (::fstat(fd_, &opened) != 0) throw_errno("cannot read its size");
+      if (!S_ISREG(opened.st_mode) || opened.st_dev != named.st_dev || opened.st_ino != named.st_ino)
+        throw io_error("the path changed while it was opened");
+      // O_NONBLOCK only guarded the open; reads get an ordinary descriptor.
+      const int flags = ::fcntl(fd_, F_GETFL);
+      if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK) != 0) throw_errno("cannot make it blocking");
+      size_ = static_cast<std::uint64_t>(opened.st_size);
+    } catch (...) {
+      ::close(fd_);  // the destructor does not run when the constructor throws
+      throw;
+    }
+  }
+  ~InputFile() { ::close(fd_); }
+  InputFile(const InputFile&) = delete;
+  InputFile& operator=(const InputFile&) = delete;
+
+  std::uint64_t size() const { return size_; }
+  int descriptor() const { return fd_; }
+  void read(std::uint64_t offset, void* out, std::size_t count) const {
+    auto* target = static_cast<char*>(out);
+    while (count > 0) {
+      const ::ssize_t got = ::pread(fd_, target, std::min<std::size_t>(count, std::size_t{1} << 30),
+                                    static_cast<::off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) throw_errno("read failed");
+      if (got == 0) throw io_error("read failed (file shrank?)");
+      target += got;
+      offset += static_cast<std::uint64_t>(got);
+      count -= static_cast<std::size_t>(got);
+    }
+  }
+
+ private:
+  /// io_error "<what>: <errno's text>" ("no such file" for ENOENT).
+  [[noreturn]] static void throw_errno(const std::string& what) {
+    const int error = errno;
+    if (error == ENOENT) throw io_error("no such file");
+    throw io_error(what + ": " + std::generic_category().message(error));
+  }
+
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+#else
+/// Portable fallback: the path is checked, then opened (on these platforms
+/// a swap in between is the caller's to prevent).
+class InputFile {
+ public:
+  explicit InputFile(const std::string& path) {
+    std::error_code error;
+    const auto status = std::filesystem::status(path, error);
+    if (status.type() == std::filesystem::file_type::not_found) throw io_error("no such file");
+    if (error) throw io_error("cannot access: " + error.message());
+    if (!std::filesystem::is_regular_file(status)) throw io_error("not a regular file");
+    size_ = std::filesystem::file_size(path, error);
+    if (error) throw io_error("cannot read its size: " + error.message());
+    in_.open(path, std::ios::binary);
+    if (!in_) throw io_error("cannot open for reading");
+  }
+  std::uint64_t size() const { return size_; }
+  void read(std::uint64_t offset, void* out, std::size_t count) {
+    in_.seekg(static_cast<std::streamoff>(offset));
+    if (!in_.read(static_cast<char*>(out), static_cast<std::streamsize>(count)))
+      throw io_error("read failed (file shrank?)");
+  }
+
+ private:
+  std::ifstream in_;
+  std::uint64_t size_ = 0;
+};
+#endif
+
+}  // namespace detail
 
 /// Read a file without holding it twice in memory: the header first, then
 /// each tensor's bytes straight into its StoredTensor.
 inline TensorFile load_safetensors(const std::string& path) {
   try {
-    std::error_code error;
-    const auto status = std::filesystem::status(path, error);
-    if (status.type() == std::filesystem::file_type::not_found) throw io_error("no such file");
-    if (error) throw io_error("cannot access: " + error.message());
-    // A directory or device has no trustworthy size to check offsets against.
-    if (!std::filesystem::is_regular_file(status)) throw io_error("not a regular file");
-    const std::uint64_t file_size = std::filesystem::file_size(path, error);
-    if (error) throw io_error("cannot read its size: " + error.message());
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw io_error("cannot open for reading");
-
+    detail::InputFile in(path);
+    const std::uint64_t file_size = in.size();
     detail::check_file_size(file_size);
     unsigned char first8[8];
-    if (!in.read(reinterpret_cast<char*>(first8), 8)) throw io_error("read failed (file shrank?)");
+    in.read(0, first8, 8);
     const std::uint64_t header_length = detail::read_header_length(first8, file_size);
     std::string header_text(static_cast<std::size_t>(header_length), '\0');
-    if (!in.read(header_text.data(), static_cast<std::streamsize>(header_length)))
-      throw io_error("read failed (file shrank?)");
+    in.read(8, header_text.data(), header_text.size());
     detail::ParsedHeader header =
         detail::parse_header(header_text.data(), header_text.size(), file_size - 8 - header_length);
     header_text = std::string();
@@ -797,13 +1002,10 @@ inline TensorFile load_safetensors(const std::string& path) {
     for (detail::HeaderEntry& entry : header.tensors) {
       StoredTensor tensor{entry.dtype, std::move(entry.shape),
                           std::vector<unsigned char>(static_cast<std::size_t>(entry.end - entry.begin))};
-      if (!tensor.bytes.empty()) {
-        in.seekg(static_cast<std::streamoff>(8 + header_length + entry.begin));
-        if (!in.read(reinterpret_cast<char*>(tensor.bytes.data()), static_cast<std::streamsize>(tensor.bytes.size())))
-          throw io_error("read failed (file shrank?)");
-      }
+      if (!tensor.bytes.empty()) in.read(8 + header_length + entry.begin, tensor.bytes.data(), tensor.bytes.size());
       file.tensors.emplace(std::move(entry.name), std::move(tensor));
     }
+    detail::check_writable(file);
     return file;
   } catch (const io_error& error) {
     throw io_error(path + ": " + error.what());

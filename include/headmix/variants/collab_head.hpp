@@ -31,7 +31,8 @@
 //
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q̃ [B·T, R] + K̃ [B·S, R] + V [B·S, H·Dv] + context [B·T, H·Dv]
-//   + content bias [B·S, H] + scaled mixing [H, R]
+//   + content bias [B·S, H] + scaled mixing [H, R] + with the LayerNorm,
+//   its input [B·T, out_dim]
 //   + per worker thread: block_rows · S (one head's tile) + block_rows · R
 //     (one head's mixed queries) + 2·S (padding bias, one head's content bias)
 // values: attention memory grows with block_rows · (S + R), never H · T · S.
@@ -123,20 +124,22 @@ class CollabHead {
   static CollabHead from_tensors(const Source& tensors, const std::string& prefix, const CollabHeadOptions& options,
                                  double layer_norm_eps = 1e-5) {
     CollabHeadWeights<T> w;
-    w.q = tensors.template matrix<T>(prefix + "q.weight");
-    w.k = tensors.template matrix<T>(prefix + "k.weight");
-    w.mixing = tensors.template matrix<T>(prefix + "mixing");
+    w.q = detail::read_matrix<T>(tensors, prefix + "q.weight");
+    w.k = detail::read_matrix<T>(tensors, prefix + "k.weight");
+    w.mixing = detail::read_matrix<T>(tensors, prefix + "mixing");
     if (tensors.contains(prefix + "content_bias.weight"))
-      w.content_bias = tensors.template matrix<T>(prefix + "content_bias.weight");
+      w.content_bias = detail::read_matrix<T>(tensors, prefix + "content_bias.weight");
     w.v = read_linear<T>(tensors, prefix + "v");
-    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
-      w.o = read_linear<T>(tensors, prefix + "o");
+    w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
     if (tensors.contains(prefix + "layer_norm.weight") || tensors.contains(prefix + "layer_norm.bias")) {
-      w.layer_norm.weight = tensors.template vector<T>(prefix + "layer_norm.weight");
-      w.layer_norm.bias = tensors.template vector<T>(prefix + "layer_norm.bias");
+      w.layer_norm.weight = detail::read_vector<T>(tensors, prefix + "layer_norm.weight");
+      w.layer_norm.bias = detail::read_vector<T>(tensors, prefix + "layer_norm.bias");
       w.layer_norm.eps = layer_norm_eps;
     }
-    return with_tensor_prefix(tensors, prefix, [&] { return CollabHead(std::move(w), options); });
+    return with_tensor_prefix(tensors, prefix,
+                              {"q.weight", "k.weight", "mixing", "content_bias.weight", "v.weight", "v.bias",
+                               "o.weight", "o.bias", "layer_norm.weight", "layer_norm.bias"},
+                              [&] { return CollabHead(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }
@@ -262,7 +265,8 @@ class CollabHead {
   }
 
  private:
-  static constexpr std::size_t kMixSlot = slot::variant, kBiasSlot = slot::variant + 1;
+  static constexpr std::size_t kMixSlot = slot::variant, kBiasSlot = slot::variant + 1,
+                               kPreNormSlot = slot::variant + 2;
   static constexpr std::size_t kMixedQuerySlot = slot::local_variant, kHeadBiasSlot = slot::local_variant + 1;
 
   // Project the queries and run the pipeline over shared keys `k`, values
@@ -281,12 +285,15 @@ class CollabHead {
     const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
     run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run, ws);
 
-    auto y = out.rows();
+    // With a LayerNorm, the pre-norm rows go to the Workspace: its buffers'
+    // alignment is fixed, the caller's output's is not, and the norm's row
+    // sums peel to an aligned address (their order would follow it).
+    MatrixMap<T> y = has_layer_norm() ? ws.shared_matrix(kPreNormSlot, B * T_, out_dim()) : out.rows();
     if (w_.o.empty())
       y = ctx;
     else
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), y, opt_.threads);
-    if (has_layer_norm()) add_and_normalize(x.rows(), y, opt_.threads);
+    if (has_layer_norm()) add_and_normalize(x.rows(), y, out.rows(), opt_.threads);
   }
 
   // cb = scale · xk · content_biasᵀ, one row of H per key position.
@@ -362,9 +369,9 @@ class CollabHead {
 
   PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
 
-  // y ← LayerNorm(xq + y), row by row (rows are independent, so any thread
-  // split gives the same bits).
-  void add_and_normalize(const ConstMatrixMap<T>& xq, MatrixMap<T>& y, int threads) const {
+  // out ← LayerNorm(xq + y), row by row (rows are independent, so any thread
+  // split gives the same bits); y is scratch.
+  void add_and_normalize(const ConstMatrixMap<T>& xq, MatrixMap<T>& y, MatrixMap<T> out, int threads) const {
     constexpr Index chunk = 256;
     const Index n = y.rows();
     const T eps = static_cast<T>(w_.layer_norm.eps), inv_width = T(1) / static_cast<T>(y.cols());
@@ -379,7 +386,7 @@ class CollabHead {
         const T mean = row.sum() * inv_width;
         row -= mean;  // two passes: the variance of the centred row does not cancel
         const T inv_std = T(1) / std::sqrt(row.square().sum() * inv_width + eps);
-        row = row * inv_std * gamma.array().transpose() + beta.array().transpose();
+        out.row(r0 + r).array() = row * inv_std * gamma.array().transpose() + beta.array().transpose();
       }
     });
   }

@@ -117,22 +117,40 @@ class Dcmha {
   /// Build from named tensors (an io::TensorFile, or anything with its
   /// contains/matrix/vector/get accessors), with the names of
   /// conformance/dcmha.md after `prefix`: `q.weight` … `o.bias`, `dc.dw1`,
-  /// `dc.qkw`, `dc.dd`, and `dc.pre_w` / `dc.post_w` with static_w. Biases
-  /// and `o` are optional. Stored F16/BF16/F32/F64 are converted to T.
+  /// `dc.qkw`, `dc.dd`, and `dc.pre_w` / `dc.post_w` with static_w, each
+  /// exactly when its stage is used. Biases and `o` are optional. Stored
+  /// F16/BF16/F32/F64 are converted to T.
   template <class Source>
   static Dcmha from_tensors(const Source& tensors, const std::string& prefix, const DcmhaOptions& options) {
     DcmhaWeights<T> w;
     w.q = read_linear<T>(tensors, prefix + "q");
     w.k = read_linear<T>(tensors, prefix + "k");
     w.v = read_linear<T>(tensors, prefix + "v");
-    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
-      w.o = read_linear<T>(tensors, prefix + "o");
-    w.dw1 = tensors.template get<T>(prefix + "dc.dw1");
-    w.qkw = tensors.template get<T>(prefix + "dc.qkw");
-    w.dd = tensors.template get<T>(prefix + "dc.dd");
-    if (tensors.contains(prefix + "dc.pre_w")) w.pre_w = tensors.template get<T>(prefix + "dc.pre_w");
-    if (tensors.contains(prefix + "dc.post_w")) w.post_w = tensors.template get<T>(prefix + "dc.post_w");
-    return with_tensor_prefix(tensors, prefix, [&] { return Dcmha(std::move(w), options); });
+    w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
+    w.dw1 = detail::read_tensor<T>(tensors, prefix + "dc.dw1");
+    w.qkw = detail::read_tensor<T>(tensors, prefix + "dc.qkw");
+    w.dd = detail::read_tensor<T>(tensors, prefix + "dc.dd");
+    // A static term a used stage applies is read unconditionally (missing, it
+    // is the source's io_error naming it). One stored for a stage the options
+    // leave out would be kept and never applied: refused (without static_w,
+    // the constructor refuses it).
+    const char* statics[2] = {"dc.pre_w", "dc.post_w"};
+    const char* stage_options[2] = {"use_pre", "use_post"};
+    const bool used[2] = {options.use_pre, options.use_post};
+    Tensor<T>* targets[2] = {&w.pre_w, &w.post_w};
+    for (int st = 0; st < 2; ++st) {
+      const std::string name = prefix + statics[st];
+      if (!(options.static_w && used[st]) && !tensors.contains(name)) continue;
+      *targets[st] = detail::read_tensor<T>(tensors, name);
+      if (options.static_w && !used[st])
+        detail::throw_shape(kName, name,
+                            std::string("none (") + stage_options[st] + " is false, so it would never be applied)",
+                            detail::format_shape(targets[st]->shape()));
+    }
+    return with_tensor_prefix(tensors, prefix,
+                              {"q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "o.weight", "o.bias",
+                               "dc.dw1", "dc.qkw", "dc.dd", "dc.pre_w", "dc.post_w"},
+                              [&] { return Dcmha(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }

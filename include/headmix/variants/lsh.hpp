@@ -108,10 +108,11 @@ class Lsh {
     LshWeights<T> w;
     w.qk = read_linear<T>(tensors, prefix + "qk");
     w.v = read_linear<T>(tensors, prefix + "v");
-    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias"))
-      w.o = read_linear<T>(tensors, prefix + "o");
-    if (tensors.contains(prefix + "rotations")) w.rotations = tensors.template get<T>(prefix + "rotations");
-    return with_tensor_prefix(tensors, prefix, [&] { return Lsh(std::move(w), options); });
+    w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
+    if (tensors.contains(prefix + "rotations")) w.rotations = detail::read_tensor<T>(tensors, prefix + "rotations");
+    return with_tensor_prefix(tensors, prefix,
+                              {"qk.weight", "qk.bias", "v.weight", "v.bias", "o.weight", "o.bias", "rotations"},
+                              [&] { return Lsh(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }

@@ -58,8 +58,10 @@ class Mha {
   static Mha from_tensors(const Source& tensors, const std::string& prefix, const MhaOptions& options) {
     MhaWeights<T> w{read_linear<T>(tensors, prefix + "q"), read_linear<T>(tensors, prefix + "k"),
                     read_linear<T>(tensors, prefix + "v"), {}};
-    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias")) w.o = read_linear<T>(tensors, prefix + "o");
-    return with_tensor_prefix(tensors, prefix, [&] { return Mha(std::move(w), options); });
+    w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
+    return with_tensor_prefix(
+        tensors, prefix, {"q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "o.weight", "o.bias"},
+        [&] { return Mha(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }

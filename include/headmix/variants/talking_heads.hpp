@@ -96,12 +96,15 @@ class TalkingHeads {
     w.q = read_linear<T>(tensors, prefix + "q");
     w.k = read_linear<T>(tensors, prefix + "k");
     w.v = read_linear<T>(tensors, prefix + "v");
-    if (tensors.contains(prefix + "o.weight") || tensors.contains(prefix + "o.bias")) w.o = read_linear<T>(tensors, prefix + "o");
+    w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
     if (tensors.contains(prefix + "pre_softmax.weight"))
-      w.pre_softmax = tensors.template matrix<T>(prefix + "pre_softmax.weight");
+      w.pre_softmax = detail::read_matrix<T>(tensors, prefix + "pre_softmax.weight");
     if (tensors.contains(prefix + "post_softmax.weight"))
-      w.post_softmax = tensors.template matrix<T>(prefix + "post_softmax.weight");
-    return with_tensor_prefix(tensors, prefix, [&] { return TalkingHeads(std::move(w), options); });
+      w.post_softmax = detail::read_matrix<T>(tensors, prefix + "post_softmax.weight");
+    return with_tensor_prefix(tensors, prefix,
+                              {"q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "o.weight", "o.bias",
+                               "pre_softmax.weight", "post_softmax.weight"},
+                              [&] { return TalkingHeads(std::move(w), options); });
   }
 
   Index num_heads() const { return opt_.num_heads; }
