@@ -3,6 +3,7 @@
 // must each end in io_error (never a crash, an out-of-bounds read or a huge
 // allocation).
 #include "headmix/io/safetensors.hpp"
+#include "test_util.hpp"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -548,7 +549,7 @@ TEST(Safetensors, TheWriterRefusesWhatTheReaderWould) {
 
 TEST(Safetensors, ConformanceFilesLoad) {
   const std::filesystem::path root = HEADMIX_CONFORMANCE_DIR;
-  if (!std::filesystem::is_directory(root)) GTEST_SKIP() << "no conformance folder at " << root;
+  if (!std::filesystem::is_directory(root)) HEADMIX_CONFORMANCE_MISSING() << "no conformance folder at " << root;
   int loaded = 0;
   for (const auto& item : std::filesystem::recursive_directory_iterator(root)) {
     if (item.path().extension() != ".safetensors") continue;
@@ -577,7 +578,7 @@ TEST(Safetensors, ConformanceFilesLoad) {
   EXPECT_GT(loaded, 0);
 
   const std::filesystem::path mha = root / "mha" / "self_basic.safetensors";
-  if (!std::filesystem::exists(mha)) GTEST_SKIP() << "no " << mha;
+  if (!std::filesystem::exists(mha)) HEADMIX_CONFORMANCE_MISSING() << "no " << mha;
   const TensorFile file = load_safetensors(mha.string());
   EXPECT_EQ(file.metadata.at("variant"), "mha");
   EXPECT_EQ(file.at("q.weight").dtype, DType::F64);

@@ -19,6 +19,7 @@
 // Tests with other bounds derive them where they are used.
 
 #include "headmix/headmix.hpp"
+#include "headmix/io/safetensors.hpp"
 #include "test_util.hpp"
 #include "reference/mha_reference.hpp"
 #include "reference/talking_heads_reference.hpp"
@@ -1162,8 +1163,24 @@ TEST_F(TalkingHeadsBadInput, FromTensorsReadsNamedWeights) {
   EXPECT_EQ(layer.out_dim(), Out);
   EXPECT_EQ(layer.weights().post_softmax(1, 2), static_cast<float>(w.post_softmax(1, 2)));
 
-  src.tensors.erase(pre + "post_softmax.weight");  // h = 3 != h_v = 4: the mix is required
-  EXPECT_SHAPE_ERROR(headmix::TalkingHeads<double>::from_tensors(src, pre, opt), "post_softmax.weight", "got none");
+  src.tensors.erase(pre + "post_softmax.weight");  // h = 3 != h_v = 4: the mix is required, so it is read
+  EXPECT_THROW(headmix::TalkingHeads<double>::from_tensors(src, pre, opt), std::out_of_range);  // this source's "missing"
+  {
+    headmix::io::TensorFile file;  // a real file's missing-tensor error names the stored tensor
+    for (const auto& [name, m] : src.tensors) {
+      const bool bias = name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+      Tensor<double> t(bias ? std::vector<Index>{m.size()} : std::vector<Index>{m.rows(), m.cols()});
+      std::copy_n(m.data(), m.size(), t.data());
+      file.tensors[name] = headmix::io::StoredTensor::from(t);
+    }
+    try {
+      (void)headmix::TalkingHeads<double>::from_tensors(file, pre, opt);
+      ADD_FAILURE() << "a required post-softmax mix was not read";
+    } catch (const headmix::io::io_error& e) {
+      EXPECT_NE(std::string(e.what()).find("missing tensor '" + pre + "post_softmax.weight'"), std::string::npos)
+          << e.what();
+    }
+  }
   src.tensors.erase(pre + "o.weight");
   opt.value_heads = H;  // v's 12 rows as 3 heads of 4: no post mix needed, output is the heads
   const auto no_post = headmix::TalkingHeads<double>::from_tensors(src, pre, opt);

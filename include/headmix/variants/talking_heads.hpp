@@ -97,9 +97,13 @@ class TalkingHeads {
     w.k = read_linear<T>(tensors, prefix + "k");
     w.v = read_linear<T>(tensors, prefix + "v");
     w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
-    if (tensors.contains(prefix + "pre_softmax.weight"))
+    // A mix is optional only where the head counts on its two sides agree;
+    // where they differ it is read unconditionally, so that its absence is
+    // the source's missing-tensor error, naming the stored name.
+    const Index hk = key_heads_of(options), h = options.num_heads, hv = value_heads_of(options);
+    if (hk != h || tensors.contains(prefix + "pre_softmax.weight"))
       w.pre_softmax = detail::read_matrix<T>(tensors, prefix + "pre_softmax.weight");
-    if (tensors.contains(prefix + "post_softmax.weight"))
+    if (hv != h || tensors.contains(prefix + "post_softmax.weight"))
       w.post_softmax = detail::read_matrix<T>(tensors, prefix + "post_softmax.weight");
     return with_tensor_prefix(tensors, prefix,
                               {"q.weight", "q.bias", "k.weight", "k.bias", "v.weight", "v.bias", "o.weight", "o.bias",
