@@ -1,4 +1,5 @@
-// Shared helpers of the benchmark suite: random layers, counters.
+// Shared helpers of the benchmark suite (headmix_suite) and the studies
+// (headmix_bench): random layers, counters.
 #pragma once
 
 #include <headmix/headmix.hpp>
@@ -148,18 +149,6 @@ inline void report(benchmark::State& state, const FlopCount& flops, std::size_t 
   state.counters["GFLOP/s"] =
       benchmark::Counter(flops.flops() * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["scratch_MiB"] = benchmark::Counter(double(scratch_bytes) / (1 << 20));
-}
-
-/// The suite's shared shapes: B = 1; (D, H) in {(768, 12), (1024, 16)};
-/// T = S in {256, 1024, 4096}; causal and not; 1 and 2 threads. Every
-/// variant's suite entry uses exactly these argument names, which is what
-/// the closing "relative to MHA" table matches on.
-inline void shared_shapes(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"D", "H", "T", "causal", "threads"});
-  for (auto [D, H] : {std::pair{768, 12}, std::pair{1024, 16}})
-    for (int T : {256, 1024, 4096})
-      for (int causal : {0, 1})
-        for (int threads : {1, 2}) b->Args({D, H, T, causal, threads});
 }
 
 /// Time `layer.forward` on one random sequence [T, D] (self-attention) and

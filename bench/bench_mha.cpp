@@ -1,7 +1,7 @@
 // MHA at BERT-base width over the query block size (block_rows: the rows of
 // one pipeline task, so one head's score tile is block_rows x S): the
 // trade between GEMM efficiency (bigger tiles repack K_h and V_h less often)
-// and scratch (block_rows · S per worker). The suite's Suite_MHA uses the
+// and scratch (block_rows · S per worker). The suite's MHA (headmix_suite) uses the
 // default, 64.
 #include "bench_common.hpp"
 

@@ -1,0 +1,207 @@
+// Paired comparisons: the measurement behind every ratio the suite prints.
+//
+// A ratio of two times taken minutes apart on a shared machine measures the
+// machine's load as much as the code. So each ratio here comes from one
+// comparison that builds both sides, warms both, and then alternates them:
+// pair i times side A then side B (A B), pair i + 1 times B then A (B A),
+// so that neither side always runs first, after a warm cache or a cold one.
+// Each pair gives one ratio, A's time over B's; the comparison reports the
+// median of those ratios and their interquartile range, and flags a ratio
+// whose quartiles lie more than 10% from its median. At least min_pairs
+// pairs; more while the comparison is under its time budget.
+//
+// One "repetition" of a side is calls_per_rep back-to-back calls, timed
+// together so that short calls (a decoding step) are not timed at the
+// clock's resolution; per-call times are that time / calls_per_rep.
+//
+// Two clocks are read around every repetition: wall time, and the process's
+// CPU time. A comparison whose two sides both run on one thread takes its
+// ratio from CPU time: for a single-threaded call that is its latency minus
+// the time other processes took from its core, so the ratio moves far less
+// when the machine is shared (with five compilers on a 2-core machine, two
+// runs' wall-time ratios differed by up to 21%, their CPU-time ratios by up
+// to 9%; caches and memory bandwidth stay shared either way). A
+// comparison with a multi-threaded side takes wall time: its latency is
+// the point, and CPU time would add up the threads.
+#pragma once
+
+#include <sys/resource.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace headmix::bench {
+
+struct PairSettings {
+  int min_pairs = 5;
+  int max_pairs = 25;
+  double budget_seconds = 1.5;  // keep adding pairs (up to max_pairs) until then
+  double min_rep_seconds = 0.03;  // a repetition is at least this long
+  double flag_spread = 0.10;      // quartiles beyond ±10% of the median
+};
+
+/// One side of a comparison: a name and a call that does one unit of work
+/// (one forward, one decoding step, one GEMM) on state it owns.
+struct Side {
+  std::string label;
+  std::function<void()> call;
+};
+
+/// Median and quartiles (linear interpolation) of a sample, plus min/max.
+struct Summary {
+  double median = 0, q1 = 0, q3 = 0, min = 0, max = 0;
+};
+
+inline double quantile(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const double at = q * double(sorted.size() - 1);
+  const std::size_t lo = std::size_t(std::floor(at)), hi = std::min(lo + 1, sorted.size() - 1);
+  return sorted[lo] + (at - double(lo)) * (sorted[hi] - sorted[lo]);
+}
+
+inline Summary summarize(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  Summary s;
+  if (v.empty()) return s;
+  s.median = quantile(v, 0.5);
+  s.q1 = quantile(v, 0.25);
+  s.q3 = quantile(v, 0.75);
+  s.min = v.front();
+  s.max = v.back();
+  return s;
+}
+
+/// Largest relative distance of the quartiles from the median (0.04: ±4%).
+inline double spread(const Summary& s) {
+  if (s.median <= 0) return 0;
+  return std::max(s.q3 / s.median - 1, 1 - s.q1 / s.median);
+}
+
+enum class Clock { wall, cpu };
+
+inline const char* clock_name(Clock c) { return c == Clock::cpu ? "cpu" : "wall"; }
+
+struct SideTimes {
+  std::string label;
+  int calls_per_rep = 1;
+  std::vector<double> seconds;      // wall time per call, one entry per repetition
+  std::vector<double> cpu_seconds;  // the process's CPU time per call, same repetitions
+  // Repetitions during which the kernel preempted a thread of this process
+  // (involuntary context switches, getrusage): another process wanted the
+  // core. Not discarded (the median takes care of a few); reported so that
+  // a noisy comparison shows why.
+  int preempted_reps = 0;
+  const std::vector<double>& times(Clock c) const { return c == Clock::cpu ? cpu_seconds : seconds; }
+  Summary summary(Clock c) const { return summarize(times(c)); }
+};
+
+struct PairedResult {
+  SideTimes a, b;
+  Clock clock = Clock::wall;   // the clock of `ratios`
+  std::vector<double> ratios;  // per pair: scale · time(A) / time(B) on `clock`
+  std::vector<double> wall_ratios, cpu_ratios;  // the same on each clock
+  double scale = 1;
+  Summary ratio;
+  bool flagged = false;
+  double wall_seconds = 0;
+};
+
+namespace detail {
+using Steady = std::chrono::steady_clock;
+
+inline double seconds_since(Steady::time_point t0) {
+  return std::chrono::duration<double>(Steady::now() - t0).count();
+}
+
+inline long involuntary_switches() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_nivcsw;
+}
+
+inline double cpu_now() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
+
+// Time one repetition of `s` (wall clock, per call); record it, and its CPU
+// time and preemption, in `out` when given.
+inline double time_rep(const Side& s, int calls, SideTimes* out = nullptr) {
+  const long switches = involuntary_switches();
+  const double cpu0 = cpu_now();
+  const auto t0 = Steady::now();
+  for (int i = 0; i < calls; ++i) s.call();
+  const double t = seconds_since(t0) / calls;
+  if (out) {
+    out->seconds.push_back(t);
+    out->cpu_seconds.push_back((cpu_now() - cpu0) / calls);
+    if (involuntary_switches() != switches) ++out->preempted_reps;
+  }
+  return t;
+}
+
+// Warm a side (the first call sizes workspaces and caches) and choose its
+// calls per repetition from a second, timed call.
+inline int warm(const Side& s, const PairSettings& set) {
+  if (!s.call) throw std::invalid_argument("paired comparison: side '" + s.label + "' has no call");
+  s.call();
+  const double once = time_rep(s, 1);
+  return std::max(1, int(std::ceil(set.min_rep_seconds / std::max(once, 1e-9))));
+}
+}  // namespace detail
+
+/// Alternate A and B (A B, B A, A B, ...) and summarize the per-pair
+/// ratios scale · time(A) / time(B) on `clock`.
+inline PairedResult compare(const Side& a, const Side& b, const PairSettings& set, Clock clock, double scale = 1) {
+  const auto t0 = detail::Steady::now();
+  PairedResult r;
+  r.clock = clock;
+  r.scale = scale;
+  r.a.label = a.label;
+  r.b.label = b.label;
+  r.a.calls_per_rep = detail::warm(a, set);
+  r.b.calls_per_rep = detail::warm(b, set);
+  const auto start = detail::Steady::now();  // the budget counts timed pairs only
+  for (int pair = 0;; ++pair) {
+    if (pair % 2 == 0) {
+      detail::time_rep(a, r.a.calls_per_rep, &r.a);
+      detail::time_rep(b, r.b.calls_per_rep, &r.b);
+    } else {
+      detail::time_rep(b, r.b.calls_per_rep, &r.b);
+      detail::time_rep(a, r.a.calls_per_rep, &r.a);
+    }
+    r.wall_ratios.push_back(scale * r.a.seconds.back() / r.b.seconds.back());
+    r.cpu_ratios.push_back(scale * r.a.cpu_seconds.back() / r.b.cpu_seconds.back());
+    const int done = pair + 1;
+    if (done >= set.min_pairs && (done >= set.max_pairs || detail::seconds_since(start) >= set.budget_seconds)) break;
+  }
+  r.ratios = clock == Clock::cpu ? r.cpu_ratios : r.wall_ratios;
+  r.ratio = summarize(r.ratios);
+  r.flagged = spread(r.ratio) > set.flag_spread;
+  r.wall_seconds = detail::seconds_since(t0);
+  return r;
+}
+
+/// One side alone (a time with no partner, e.g. LSH where dense attention
+/// does not fit): warmed, then at least min_pairs repetitions.
+inline SideTimes series(const Side& s, const PairSettings& set) {
+  SideTimes t;
+  t.label = s.label;
+  t.calls_per_rep = detail::warm(s, set);
+  const auto start = detail::Steady::now();
+  for (int rep = 1;; ++rep) {
+    detail::time_rep(s, t.calls_per_rep, &t);
+    if (rep >= set.min_pairs && (rep >= set.max_pairs || detail::seconds_since(start) >= set.budget_seconds)) break;
+  }
+  return t;
+}
+
+}  // namespace headmix::bench

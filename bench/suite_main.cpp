@@ -1,0 +1,666 @@
+// headmix_suite: the benchmark suite proper. Every ratio it prints comes from
+// one paired comparison (paired.hpp: A B, B A, ... at least 5 pairs; median
+// of the per-pair ratios with its interquartile range):
+//
+//   1. each variant's time over MHA's at the same shape, beside the analytic
+//      FLOP ratio;
+//   2. each variant's 2-thread speedup (time at 1 thread / at 2 threads);
+//   3. MHA's GFLOP/s over a GEMM yardstick's ([T, D] x [D, 3D]): Eigen's
+//      GEMM, and OpenBLAS's cblas_sgemm on one thread when linked;
+//   4. headmix MHA's time over PyTorch's (when built with libtorch), against
+//      each of torch's paths, the faster marked as the baseline;
+//   5. a decoding step (one token, S positions in view) against recomputing
+//      the causal forward over S positions.
+//
+//   headmix_suite [--mode=default|full|smoke] [--json=results.json] [--only=<table>]
+//
+// The JSON holds every comparison with its per-pair times; bench/plot.py
+// draws latency against sequence length from it.
+#include "bench_common.hpp"
+#include "paired.hpp"
+#ifdef HEADMIX_BENCH_TORCH
+#include "torch_rows.hpp"
+#endif
+
+#include <nlohmann/json.hpp>
+
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifdef HEADMIX_BENCH_OPENBLAS
+// OpenBLAS's C interface, declared here rather than through <cblas.h>, whose
+// include path differs between Debian's openblas flavours.
+extern "C" {
+void cblas_sgemm(int order, int transa, int transb, int m, int n, int k, float alpha, const float* a, int lda,
+                 const float* b, int ldb, float beta, float* c, int ldc);
+void openblas_set_num_threads(int);
+char* openblas_get_corename(void);
+char* openblas_get_config(void);
+}
+#endif
+
+namespace {
+
+using namespace headmix;
+using bench::LayerShape;
+using bench::PairedResult;
+using bench::PairSettings;
+using bench::Side;
+using nlohmann::json;
+
+// ---- what a run measures ------------------------------------------------------------
+struct Plan {
+  std::string mode;
+  std::string only;  // run this table alone (vs_mha, threads, yardstick, torch, decode), or all
+  PairSettings settings;
+  std::vector<std::pair<Index, Index>> widths;  // (D, H) of the layer comparisons
+  std::vector<Index> lengths;                   // T = S of the variant comparisons
+  std::vector<int> variant_threads;             // threads of the variant comparisons
+  std::vector<Index> thread_lengths;            // T of the 2-thread speedups
+  std::vector<Index> yardstick_lengths;
+  std::vector<Index> torch_lengths;             // 1 thread
+  std::vector<Index> torch_lengths_2t;          // 2 threads
+  Index decode_D = 1024, decode_H = 16;
+  std::vector<Index> decode_lengths;
+  std::vector<Index> lsh_alone_lengths;         // LSH timed alone (dense MHA too big)
+};
+
+Plan make_plan(const std::string& mode) {
+  Plan p;
+  p.mode = mode;
+  if (mode == "smoke") {  // tiny shapes, seconds even under sanitizers
+    p.settings.min_rep_seconds = 0.001;
+    p.settings.budget_seconds = 0;
+    p.widths = {{64, 4}};
+    p.lengths = {128};
+    p.variant_threads = {1};
+    p.thread_lengths = {128};
+    p.yardstick_lengths = {128};
+    p.torch_lengths = {};
+    p.decode_D = 64;
+    p.decode_H = 4;
+    p.decode_lengths = {64};
+    return p;
+  }
+  if (mode == "full") {
+    p.settings.budget_seconds = 2.0;
+    p.widths = {{768, 12}, {1024, 16}};
+    p.lengths = {256, 512, 1024, 2048, 4096};
+    p.variant_threads = {1, 2};
+    p.thread_lengths = p.lengths;
+    p.yardstick_lengths = p.lengths;
+    p.torch_lengths = p.lengths;
+    p.torch_lengths_2t = p.lengths;
+    p.decode_lengths = {512, 2048, 8192};
+    p.lsh_alone_lengths = {16384};
+    return p;
+  }
+  if (mode != "default") throw std::invalid_argument("--mode must be default, full or smoke, not '" + mode + "'");
+  p.settings.budget_seconds = 1.0;
+  p.settings.max_pairs = 15;
+  p.widths = {{768, 12}};
+  p.lengths = {256, 512, 1024, 2048};
+  p.variant_threads = {1};
+  p.thread_lengths = {256, 1024};
+  p.yardstick_lengths = {256, 1024, 2048};
+  p.torch_lengths = {256, 512, 1024, 2048};
+  p.torch_lengths_2t = {1024};
+  p.decode_lengths = {512, 2048};
+  return p;
+}
+
+// ---- sides ------------------------------------------------------------------------------
+// With HEADMIX_USE_BLAS headmix's GEMMs run in OpenBLAS, which must stay on
+// one thread under headmix's own workers, whatever a torch row set before.
+inline void headmix_blas_threads() {
+#if defined(EIGEN_USE_BLAS) && defined(HEADMIX_BENCH_OPENBLAS)
+  openblas_set_num_threads(1);
+#endif
+}
+
+const std::vector<std::string> kVariants = {"MHA", "TalkingHeads", "CollabHead", "DCMHA", "LSH"};
+
+// One forward over a random [T, D] sequence, on state the side owns.
+template <class Layer>
+Side forward_side(const std::string& label, Layer layer, Index T, Index D) {
+  struct State {
+    Layer layer;
+    Matrix<float> x, y;
+    Workspace<float> ws;
+  };
+  auto s = std::make_shared<State>(State{std::move(layer), bench::random_matrix<float>(T, D, 1.0, 99), {}, {}});
+  s->y.resize(T, s->layer.out_dim());
+  return {label, [s] {
+            headmix_blas_threads();
+            const AttentionInput<float> in{as_batch(s->x), {}, {}};
+            s->layer.forward(in, as_batch(s->y), s->ws);
+            benchmark::DoNotOptimize(s->y.data());
+            benchmark::ClobberMemory();
+          }};
+}
+
+// The variant's forward side and its analytic FLOPs at (1, T, T).
+std::pair<Side, double> variant_side(const std::string& v, const LayerShape& s, Index T) {
+  auto with = [&](auto layer) {
+    const double flops = bench::as_flop_count(layer.flops(1, T, T)).flops();
+    return std::pair<Side, double>{forward_side(v, std::move(layer), T, s.D), flops};
+  };
+  if (v == "MHA") return with(bench::make_mha(s));
+  if (v == "TalkingHeads") return with(bench::make_talking_heads(s));
+  if (v == "CollabHead") return with(bench::make_collab_head(s));
+  if (v == "DCMHA") return with(bench::make_dcmha(s));
+  if (v == "LSH") return with(bench::make_lsh(s));
+  throw std::invalid_argument("unknown variant " + v);
+}
+
+// One decoding step: one new token over a cache of S - 1 positions, the
+// cache truncated back afterwards so every call generates the same token.
+template <class Layer>
+Side step_side(const std::string& label, Layer layer, Index S, Index D) {
+  struct State {
+    Layer layer;
+    SequenceCache<float> cache;
+    Matrix<float> x, y;
+    Workspace<float> ws;
+  };
+  auto s = std::make_shared<State>(State{std::move(layer), SequenceCache<float>(1, S), {}, {}, {}});
+  const Matrix<float> prompt = bench::random_matrix<float>(S - 1, D, 1.0, 11);
+  Matrix<float> y_prompt(S - 1, s->layer.out_dim());
+  s->layer.step(as_batch(prompt), s->cache, as_batch(y_prompt), s->ws);
+  s->x = bench::random_matrix<float>(1, D, 1.0, 12);
+  s->y.resize(1, s->layer.out_dim());
+  const Index keep = S - 1;
+  return {label, [s, keep] {
+            headmix_blas_threads();
+            s->layer.step(as_batch(s->x), s->cache, as_batch(s->y), s->ws);
+            s->cache.truncate(keep);
+            benchmark::DoNotOptimize(s->y.data());
+            benchmark::ClobberMemory();
+          }};
+}
+
+std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S) {
+  auto with = [&](auto make) {
+    return std::pair<Side, Side>{forward_side(v + " recompute", make(s), S, s.D), step_side(v + " step", make(s), S, s.D)};
+  };
+  if (v == "MHA") return with(bench::make_mha);
+  if (v == "TalkingHeads") return with(bench::make_talking_heads);
+  if (v == "CollabHead") return with(bench::make_collab_head);
+  if (v == "DCMHA") return with([](const LayerShape& l) { return bench::make_dcmha(l); });
+  throw std::invalid_argument("no decoding for " + v);
+}
+
+double gemm_flops(Index T, Index D) { return 2.0 * double(T) * double(D) * 3.0 * double(D); }
+
+// The yardstick's operands: x [T, D], w [D, 3D], y [T, 3D].
+struct GemmOperands {
+  Matrix<float> x, w, y;
+  GemmOperands(Index T, Index D)
+      : x(bench::random_matrix<float>(T, D, 1.0, 1)), w(bench::random_matrix<float>(D, 3 * D, 1.0, 2)), y(T, 3 * D) {}
+};
+
+Side eigen_gemm_side(Index T, Index D) {
+  auto s = std::make_shared<GemmOperands>(T, D);
+  return {"Eigen GEMM", [s] {
+            s->y.noalias() = s->x * s->w;
+            benchmark::DoNotOptimize(s->y.data());
+            benchmark::ClobberMemory();
+          }};
+}
+
+#ifdef HEADMIX_BENCH_OPENBLAS
+Side openblas_gemm_side(Index T, Index D) {
+  auto s = std::make_shared<GemmOperands>(T, D);
+  const int m = int(T), n = int(3 * D), k = int(D);
+  return {"OpenBLAS sgemm", [s, m, n, k] {
+            openblas_set_num_threads(1);  // torch rows may have raised it
+            constexpr int kRowMajor = 101, kNoTrans = 111;  // CBLAS enum values
+            cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, s->x.data(), k, s->w.data(), n, 0.0f,
+                        s->y.data(), n);
+            benchmark::DoNotOptimize(s->y.data());
+            benchmark::ClobberMemory();
+          }};
+}
+#endif
+
+// ---- records and printing ------------------------------------------------------------
+struct Record {
+  std::string table;
+  json params;
+  PairedResult r;
+  json extra = json::object();
+};
+
+// A side's times; median and quartiles on `clock`, the comparison's.
+json side_json(const bench::SideTimes& t, bench::Clock clock) {
+  const bench::Summary s = t.summary(clock);
+  return {{"label", t.label},
+          {"calls_per_rep", t.calls_per_rep},
+          {"wall_seconds_per_call", t.seconds},
+          {"cpu_seconds_per_call", t.cpu_seconds},
+          {"median_seconds", s.median},
+          {"q1_seconds", s.q1},
+          {"q3_seconds", s.q3},
+          {"preempted_reps", t.preempted_reps}};
+}
+
+json record_json(const Record& rec) {
+  const auto& r = rec.r;
+  json j = {{"table", rec.table},
+            {"params", rec.params},
+            {"a", side_json(r.a, r.clock)},
+            {"b", side_json(r.b, r.clock)},
+            {"clock", bench::clock_name(r.clock)},
+            {"ratio_definition", "scale * time(a) / time(b) on clock, per pair"},
+            {"scale", r.scale},
+            {"ratios", r.ratios},
+            {"wall_ratios", r.wall_ratios},
+            {"cpu_ratios", r.cpu_ratios},
+            {"median", r.ratio.median},
+            {"q1", r.ratio.q1},
+            {"q3", r.ratio.q3},
+            {"min", r.ratio.min},
+            {"max", r.ratio.max},
+            {"flagged", r.flagged},
+            {"wall_seconds", r.wall_seconds}};
+  j.update(rec.extra);
+  return j;
+}
+
+std::string shape_text(const json& p) {
+  std::ostringstream o;
+  if (p.contains("D")) o << "D=" << p["D"].get<long>() << " ";
+  if (p.contains("T")) o << "T=" << p["T"].get<long>();
+  if (p.contains("S")) o << "S=" << p["S"].get<long>();
+  if (p.contains("causal")) o << (p["causal"].get<bool>() ? " causal" : "");
+  if (p.contains("threads")) o << " " << p["threads"].get<int>() << "t";
+  return o.str();
+}
+
+std::string ratio_text(const PairedResult& r) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%5.2fx [%.2f-%.2f] %s%s", r.ratio.median, r.ratio.q1, r.ratio.q3,
+                bench::clock_name(r.clock), r.flagged ? " !" : "");
+  return buf;
+}
+
+// A side's median milliseconds per call on its comparison's clock.
+double ms(const PairedResult& r, const bench::SideTimes& t) { return 1e3 * t.summary(r.clock).median; }
+
+class Suite {
+ public:
+  explicit Suite(Plan plan) : plan_(std::move(plan)) {}
+
+  void run() {
+    auto wanted = [&](const char* table) { return plan_.only.empty() || plan_.only == table; };
+    if (wanted("vs_mha")) variants_against_mha();
+    if (wanted("threads")) thread_speedups();
+    if (wanted("yardstick")) yardstick();
+    if (wanted("torch")) torch();
+    if (wanted("decode")) decoding();
+    if (wanted("alone")) lsh_alone();
+  }
+
+  void print_tables() const;
+  json to_json(const json& context) const;
+
+  /// Over the CPU-clock comparisons, each one's median wall / CPU time per
+  /// repetition: how much of the core other processes took.
+  bench::Summary wall_over_cpu() const {
+    std::vector<double> per_comparison;
+    for (const Record& r : records_) {
+      if (r.r.clock != bench::Clock::cpu) continue;
+      std::vector<double> q;
+      for (const bench::SideTimes* t : {&r.r.a, &r.r.b})
+        for (std::size_t i = 0; i < t->seconds.size(); ++i) q.push_back(t->seconds[i] / t->cpu_seconds[i]);
+      per_comparison.push_back(bench::summarize(q).median);
+    }
+    return bench::summarize(per_comparison);
+  }
+
+ private:
+  // One paired comparison. Both sides on one thread: CPU time (paired.hpp).
+  Record& add(const std::string& table, json params, const Side& a, const Side& b, bool single_threaded,
+              double scale = 1) {
+    const bench::Clock clock = single_threaded ? bench::Clock::cpu : bench::Clock::wall;
+    records_.push_back({table, std::move(params), bench::compare(a, b, plan_.settings, clock, scale)});
+    const Record& r = records_.back();
+    std::printf("  %-10s %-34s %-44s %3zu pairs %5.1f s  %d preempted\n", table.c_str(),
+                (r.r.a.label + " / " + r.r.b.label).substr(0, 34).c_str(),
+                (shape_text(r.params) + "  " + ratio_text(r.r)).c_str(), r.r.ratios.size(), r.r.wall_seconds,
+                r.r.a.preempted_reps + r.r.b.preempted_reps);
+    std::fflush(stdout);
+    return records_.back();
+  }
+
+  static json layer_params(const LayerShape& s, Index T) {
+    return {{"D", s.D}, {"H", s.H}, {"T", T}, {"causal", s.causal}, {"threads", s.threads}};
+  }
+
+  void variants_against_mha() {
+    for (auto [D, H] : plan_.widths)
+      for (Index T : plan_.lengths)
+        for (bool causal : {false, true})
+          for (int threads : plan_.variant_threads) {
+            const LayerShape s{D, H, causal, threads};
+            for (std::size_t v = 1; v < kVariants.size(); ++v) {
+              auto [mha, mha_flops] = variant_side("MHA", s, T);
+              auto [var, var_flops] = variant_side(kVariants[v], s, T);
+              json p = layer_params(s, T);
+              p["variant"] = kVariants[v];
+              Record& r = add("vs_mha", p, var, mha, threads == 1);
+              r.extra["flop_ratio"] = var_flops / mha_flops;
+            }
+          }
+  }
+
+  void thread_speedups() {
+    for (auto [D, H] : plan_.widths)
+      for (Index T : plan_.thread_lengths)
+        for (bool causal : {false, true})
+          for (const auto& v : kVariants) {
+            auto one = variant_side(v, {D, H, causal, 1}, T).first;
+            auto two = variant_side(v, {D, H, causal, 2}, T).first;
+            one.label = v + " 1t";
+            two.label = v + " 2t";
+            json p = layer_params({D, H, causal, 1}, T);
+            p.erase("threads");
+            p["variant"] = v;
+            add("threads", p, one, two, false);
+          }
+  }
+
+  void yardstick() {
+    for (auto [D, H] : plan_.widths)
+      for (Index T : plan_.yardstick_lengths) {
+        const LayerShape s{D, H, false, 1};
+        std::vector<std::pair<Side, std::string>> gemms = {{eigen_gemm_side(T, D), "Eigen"}};
+#ifdef HEADMIX_BENCH_OPENBLAS
+        gemms.push_back({openblas_gemm_side(T, D), "OpenBLAS"});
+#endif
+        for (auto& [gemm, name] : gemms) {
+          auto [mha, mha_flops] = variant_side("MHA", s, T);
+          json p = layer_params(s, T);
+          p["gemm"] = name;
+          // scale · t(GEMM) / t(MHA) with scale = F(MHA) / F(GEMM): MHA's
+          // GFLOP/s as a fraction of the GEMM's.
+          Record& r = add("yardstick", p, gemm, mha, true, mha_flops / gemm_flops(T, D));
+          r.extra["mha_flops"] = mha_flops;
+          r.extra["gemm_flops"] = gemm_flops(T, D);
+        }
+      }
+  }
+
+  void torch() {
+#ifdef HEADMIX_BENCH_TORCH
+    using bench::torch_rows::Path;
+    auto run = [&](Index D, Index H, Index T, bool causal, int threads) {
+      for (Path path : {Path::fused, Path::module}) {
+        Side t{bench::torch_rows::path_name(path), bench::torch_rows::make_call(path, D, H, T, causal, threads)};
+        if (!t.call) continue;
+        Side mha = variant_side("MHA", {D, H, causal, threads}, T).first;
+        mha.label = "headmix MHA";
+        json p = layer_params({D, H, causal, threads}, T);
+        p["torch_path"] = path == Path::fused ? "fused" : "module";
+        add("torch", p, mha, t, threads == 1);
+      }
+    };
+    for (auto [D, H] : plan_.widths) {
+      for (Index T : plan_.torch_lengths)
+        for (bool causal : {false, true}) run(D, H, T, causal, 1);
+      for (Index T : plan_.torch_lengths_2t)
+        for (bool causal : {false, true}) run(D, H, T, causal, 2);
+    }
+#endif
+  }
+
+  void decoding() {
+    const LayerShape s{plan_.decode_D, plan_.decode_H, true, 1};
+    for (Index S : plan_.decode_lengths)
+      for (std::size_t v = 0; v + 1 < kVariants.size(); ++v) {  // every dense variant (not LSH)
+        auto [recompute, step] = decode_sides(kVariants[v], s, S);
+        json p = {{"D", s.D}, {"H", s.H}, {"S", S}, {"variant", kVariants[v]}};
+        add("decode", p, recompute, step, true);
+      }
+  }
+
+  void lsh_alone() {
+    for (auto [D, H] : plan_.widths)
+      for (Index T : plan_.lsh_alone_lengths)
+        for (bool causal : {false, true})
+          for (int threads : {1, 2}) {
+            const LayerShape s{D, H, causal, threads};
+            const bench::SideTimes t = bench::series(variant_side("LSH", s, T).first, plan_.settings);
+            json p = layer_params(s, T);
+            const bench::Clock clock = threads == 1 ? bench::Clock::cpu : bench::Clock::wall;
+            alone_.push_back(
+                {{"table", "alone"}, {"params", p}, {"clock", bench::clock_name(clock)}, {"a", side_json(t, clock)}});
+            std::printf("  %-10s %-34s %-44s %3zu reps\n", "alone", "LSH", (shape_text(p)).c_str(), t.seconds.size());
+          }
+  }
+
+  Plan plan_;
+  std::vector<Record> records_;
+  std::vector<json> alone_;
+};
+
+void Suite::print_tables() const {
+  auto each = [&](const char* table, auto&& fn) {
+    for (const Record& r : records_)
+      if (r.table == table) fn(r);
+  };
+  std::printf("\nAll ratios: median of the per-pair ratios [interquartile range] and the clock they come from;\n"
+              "! = a quartile more than %.0f%% from the median. cpu: both sides run on one thread, timed by the\n"
+              "process's CPU time (their latency less any time other processes took); wall: wall-clock time.\n"
+              "Times (ms) are medians per call on the same clock.\n",
+              100 * plan_.settings.flag_spread);
+
+  std::printf("\n1. Time relative to MHA at the same shape (variant / MHA), beside the analytic FLOP ratio:\n");
+  std::printf("   %-13s %-22s %9s %10s  %-27s %6s %9s\n", "variant", "shape", "MHA ms", "variant ms", "time ratio",
+              "FLOPs", "time/FLOP");
+  each("vs_mha", [](const Record& r) {
+    const double f = r.extra["flop_ratio"].get<double>();
+    std::printf("   %-13s %-22s %9.2f %10.2f  %-27s %5.2fx %9.2f\n", r.params["variant"].get<std::string>().c_str(),
+                shape_text(r.params).c_str(), ms(r.r, r.r.b), ms(r.r, r.r.a), ratio_text(r.r).c_str(), f, r.r.ratio.median / f);
+  });
+
+  std::printf("\n2. 2-thread speedup (time at 1 thread / time at 2 threads):\n");
+  std::printf("   %-13s %-22s %9s %9s  %-22s\n", "variant", "shape", "1t ms", "2t ms", "speedup");
+  each("threads", [](const Record& r) {
+    std::printf("   %-13s %-22s %9.2f %9.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                shape_text(r.params).c_str(), ms(r.r, r.r.a), ms(r.r, r.r.b), ratio_text(r.r).c_str());
+  });
+
+  std::printf("\n3. MHA's GFLOP/s against the GEMM yardstick [T, D] x [D, 3D], 1 thread (MHA's share):\n");
+  std::printf("   %-10s %-22s %9s %9s  %-22s\n", "GEMM", "shape", "MHA GF/s", "GEMM GF/s", "MHA / GEMM");
+  each("yardstick", [](const Record& r) {
+    const double mha = r.extra["mha_flops"].get<double>() / r.r.b.summary(r.r.clock).median * 1e-9;
+    const double gemm = r.extra["gemm_flops"].get<double>() / r.r.a.summary(r.r.clock).median * 1e-9;
+    std::printf("   %-10s %-22s %9.1f %9.1f  %-22s\n", r.params["gemm"].get<std::string>().c_str(),
+                shape_text(r.params).c_str(), mha, gemm, ratio_text(r.r).c_str());
+  });
+
+  bool torch = false;
+  each("torch", [&](const Record&) { torch = true; });
+  if (torch) {
+    std::printf("\n4. headmix MHA against PyTorch (headmix time / torch time; below 1: headmix is faster);\n"
+                "   * = the faster torch path at that shape, the baseline:\n");
+    std::printf("   %-26s %-8s %-2s %10s %9s  %-22s\n", "shape", "torch", "", "headmix ms", "torch ms",
+                "headmix / torch");
+    std::map<std::string, double> fastest;  // shape -> the faster torch path's median time
+    each("torch", [&](const Record& r) {
+      const std::string key = shape_text(r.params);
+      const double t = r.r.b.summary(r.r.clock).median;
+      if (!fastest.count(key) || t < fastest[key]) fastest[key] = t;
+    });
+    each("torch", [&](const Record& r) {
+      const std::string key = shape_text(r.params);
+      const bool best = r.r.b.summary(r.r.clock).median == fastest[key];
+      std::printf("   %-26s %-8s %-2s %10.2f %9.2f  %-22s\n", key.c_str(),
+                  r.params["torch_path"].get<std::string>().c_str(), best ? "*" : "", ms(r.r, r.r.a), ms(r.r, r.r.b),
+                  ratio_text(r.r).c_str());
+    });
+  }
+
+  std::printf("\n5. Decoding one token with S positions in view, 1 thread: recompute the causal forward over S\n"
+              "   positions / one cached step:\n");
+  std::printf("   %-13s %-22s %9s %12s  %-22s\n", "variant", "shape", "step ms", "recompute ms", "recompute / step");
+  each("decode", [](const Record& r) {
+    std::printf("   %-13s %-22s %9.3f %12.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                shape_text(r.params).c_str(), ms(r.r, r.r.b), ms(r.r, r.r.a), ratio_text(r.r).c_str());
+  });
+
+  if (!alone_.empty()) {
+    std::printf("\n6. LSH alone (dense attention does not fit): median ms per call [IQR]:\n");
+    for (const json& j : alone_)
+      std::printf("   %-26s %9.1f [%.1f-%.1f] %s\n", shape_text(j["params"]).c_str(),
+                  1e3 * j["a"]["median_seconds"].get<double>(), 1e3 * j["a"]["q1_seconds"].get<double>(),
+                  1e3 * j["a"]["q3_seconds"].get<double>(), j["clock"].get<std::string>().c_str());
+  }
+  const bench::Summary quiet = wall_over_cpu();
+  if (quiet.median > 0)
+    std::printf("\nSingle-threaded comparisons, wall time / CPU time per comparison: median %.2f, worst %.2f\n"
+                "(1.00 when no other process wanted the core).\n",
+                quiet.median, quiet.max);
+  int flagged = 0;
+  for (const Record& r : records_) flagged += r.r.flagged;
+  std::printf("\n%zu comparisons, %d flagged (IQR wider than ±%.0f%%).\n", records_.size(), flagged,
+              100 * plan_.settings.flag_spread);
+}
+
+json Suite::to_json(const json& context) const {
+  json j = {{"context", context}, {"comparisons", json::array()}, {"alone", alone_}};
+  for (const Record& r : records_) j["comparisons"].push_back(record_json(r));
+  return j;
+}
+
+// ---- context --------------------------------------------------------------------------
+std::string first_line_of(const char* path, const std::string& key = "") {
+  std::ifstream f(path);
+  for (std::string line; std::getline(f, line);)
+    if (key.empty() || line.rfind(key, 0) == 0) {
+      const auto colon = key.empty() ? std::string::npos : line.find(':');
+      return colon == std::string::npos ? line : line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  return "unknown";
+}
+
+std::string env_or(const char* name, const char* otherwise) {
+  const char* v = std::getenv(name);
+  return v ? v : otherwise;
+}
+
+// glibc's defaults return large freed blocks to the kernel (mmap'd blocks at
+// once, the heap top past 128 KiB), so a call that allocates its buffers
+// afresh every time (libtorch's operators; Eigen's GEMM packing buffers)
+// faults in new pages on every call: up to 4x torch's time here. Keep
+// freed memory in the process instead, for every row alike.
+std::string tune_malloc() {
+  const bool ok = mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 &&
+                  mallopt(M_TOP_PAD, 64 << 20) == 1;
+  return ok ? "glibc malloc, mallopt(M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 1 GiB, M_TOP_PAD = 64 MiB) for every row"
+            : "glibc malloc defaults (mallopt failed)";
+}
+
+json make_context(const Plan& plan, const std::string& malloc_setup) {
+  json c;
+  c["mode"] = plan.mode;
+  c["cpu"] = first_line_of("/proc/cpuinfo", "model name");
+  c["cpus_online"] = sysconf(_SC_NPROCESSORS_ONLN);
+  c["compiler"] = std::string("g++ ") + __VERSION__;
+  c["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
+               std::to_string(EIGEN_MINOR_VERSION) + ", SIMD " + Eigen::SimdInstructionSetsInUse();
+#ifdef EIGEN_USE_BLAS
+  c["headmix_gemm"] = "OpenBLAS through EIGEN_USE_BLAS (1 thread)";
+#else
+  c["headmix_gemm"] = "Eigen's built-in GEMM";
+#endif
+#ifdef HEADMIX_BENCH_OPENBLAS
+  c["openblas"] = std::string(openblas_get_config()) + "; core kernel " + openblas_get_corename();
+#else
+  c["openblas"] = "not linked (install libopenblas-dev for the OpenBLAS yardstick)";
+#endif
+  c["OPENBLAS_CORETYPE"] = std::getenv("OPENBLAS_CORETYPE")
+                               ? env_or("OPENBLAS_CORETYPE", "") + " (from the environment; the suite never sets it)"
+                               : "(unset: OpenBLAS detected the CPU)";
+  c["OPENBLAS_NUM_THREADS"] = env_or("OPENBLAS_NUM_THREADS", "(unset; the suite sets OpenBLAS's threads per row)");
+  c["malloc"] = malloc_setup;
+#ifdef HEADMIX_BENCH_TORCH
+  c["torch"] = bench::torch_rows::setup();
+#else
+  c["torch"] = "not built (install libtorch-dev and reconfigure for the PyTorch rows)";
+#endif
+  c["clock"] = "cpu (the process's CPU time) for comparisons whose sides both run on 1 thread, wall otherwise";
+  c["pairs"] = {{"min_pairs", plan.settings.min_pairs},
+                {"max_pairs", plan.settings.max_pairs},
+                {"budget_seconds", plan.settings.budget_seconds},
+                {"min_rep_seconds", plan.settings.min_rep_seconds},
+                {"flag_spread", plan.settings.flag_spread},
+                {"order", "A B, B A, A B, ... (the first side alternates)"}};
+  c["layers"] =
+      "B = 1, float, self-attention; bench::make_* in bench/bench_common.hpp (Talking-Heads both mixes; CollabHead "
+      "R = D/2; DCMHA R = 2, K = 4H; LSH bucket 64, 4 hashes)";
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string mode = "default", json_path, only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--mode=", 0) == 0) mode = a.substr(7);
+    else if (a.rfind("--json=", 0) == 0) json_path = a.substr(7);
+    else if (a.rfind("--only=", 0) == 0) only = a.substr(7);
+    else {
+      std::fprintf(stderr, "usage: headmix_suite [--mode=default|full|smoke] [--json=results.json] "
+                           "[--only=vs_mha|threads|yardstick|torch|decode|alone]\n");
+      return 2;
+    }
+  }
+  const std::string malloc_setup = tune_malloc();
+#ifdef HEADMIX_BENCH_OPENBLAS
+  openblas_set_num_threads(1);  // headmix runs its own workers; rows that want more set them
+#endif
+  Plan plan = make_plan(mode);
+  const std::vector<std::string> tables = {"vs_mha", "threads", "yardstick", "torch", "decode", "alone"};
+  if (!only.empty() && std::find(tables.begin(), tables.end(), only) == tables.end())
+    throw std::invalid_argument("--only must name a table (vs_mha, threads, yardstick, torch, decode, alone), not '" +
+                                only + "'");
+  plan.only = only;
+  json context = make_context(plan, malloc_setup);
+  context["loadavg_start"] = first_line_of("/proc/loadavg");
+  std::printf("headmix benchmark suite, mode %s\n", mode.c_str());
+  for (auto& [k, v] : context.items())
+    std::printf("  %-22s %s\n", k.c_str(), v.is_string() ? v.get<std::string>().c_str() : v.dump().c_str());
+  std::printf("\nComparisons as they run (ratio = first side / second side):\n");
+  Suite suite(plan);
+  suite.run();
+  context["loadavg_end"] = first_line_of("/proc/loadavg");
+  const bench::Summary quiet = suite.wall_over_cpu();
+  context["wall_over_cpu_single_threaded"] = {{"median", quiet.median}, {"worst", quiet.max}};
+  suite.print_tables();
+  std::printf("Load average (1, 5, 15 min) at start: %s; at end: %s\n",
+              context["loadavg_start"].get<std::string>().c_str(), context["loadavg_end"].get<std::string>().c_str());
+  if (!json_path.empty()) {
+    std::ofstream out(json_path);
+    out << suite.to_json(context).dump(1) << "\n";
+    if (!out) throw std::runtime_error("cannot write " + json_path);
+    std::printf("Wrote %s\n", json_path.c_str());
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "headmix_suite: %s\n", e.what());
+  return 1;
+}
