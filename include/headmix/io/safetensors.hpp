@@ -559,7 +559,6 @@ class HeaderReader : public nlohmann::json_sax<nlohmann::json> {
     }
     // Inside a tensor entry. A field headmix does not know could change
     // what the bytes mean, so it is refused rather than ignored.
-    static const char* const kFields[] = {"dtype", "shape", "data_offsets"};
     for (int f = 0; f < 3; ++f) {
       if (name != kFields[f]) continue;
       if (seen_fields_ & (1u << f)) return problem(context() + ": duplicate key " + quote_name(name));
@@ -598,6 +597,7 @@ class HeaderReader : public nlohmann::json_sax<nlohmann::json> {
  private:
   enum class Where { root, top, entry, metadata, shape, offsets, done };
   enum class Field { dtype, shape, offsets };
+  static constexpr const char* kFields[] = {"dtype", "shape", "data_offsets"};  ///< by Field
 
   bool go(Where where) {
     where_ = where;
@@ -648,7 +648,6 @@ class HeaderReader : public nlohmann::json_sax<nlohmann::json> {
   }
 
   bool finish_entry() {
-    static const char* const kFields[] = {"dtype", "shape", "data_offsets"};
     for (int f = 0; f < 3; ++f)
       if (!(seen_fields_ & (1u << f))) return problem(context() + ": missing '" + kFields[f] + "'");
     const std::uint64_t begin = entry_.begin, end = entry_.end;
