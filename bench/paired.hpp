@@ -14,15 +14,22 @@
 // together so that short calls (a decoding step) are not timed at the
 // clock's resolution; per-call times are that time / calls_per_rep.
 //
-// Two clocks are read around every repetition: wall time, and the process's
-// CPU time. A comparison whose two sides both run on one thread takes its
-// ratio from CPU time: for a single-threaded call that is its latency minus
-// the time other processes took from its core, so the ratio moves far less
-// when the machine is shared (with five compilers on a 2-core machine, two
-// runs' wall-time ratios differed by up to 21%, their CPU-time ratios by up
-// to 9%; caches and memory bandwidth stay shared either way). A
-// comparison with a multi-threaded side takes wall time: its latency is
-// the point, and CPU time would add up the threads.
+// Two clocks are read around every repetition: wall time, and the calling
+// thread's CPU time. A comparison whose two sides both run on the calling
+// thread (headmix, torch and OpenBLAS at 1 thread all do) takes its ratio
+// from that thread's CPU time: its latency minus the time other processes
+// took from its core, so the ratio moves far less when the machine is
+// shared (with five compilers on a 2-core machine, two runs' wall-time
+// ratios differed by up to 21%, their CPU-time ratios by up to 9%; caches
+// and memory bandwidth stay shared either way). The thread's clock, not the
+// process's: worker threads that an earlier multi-threaded row left
+// spinning (OpenBLAS's spin for ~0.1 s after a call) would otherwise be
+// charged to whichever side runs next. A comparison with a multi-threaded
+// side takes wall time: its latency is the point.
+//
+// A side that leaves threads spinning declares a settle time; the
+// comparison then pauses that long before each repetition of either side,
+// so that no repetition shares the cores with the other side's idle spin.
 #pragma once
 
 #include <sys/resource.h>
@@ -34,6 +41,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -52,6 +60,7 @@ struct PairSettings {
 struct Side {
   std::string label;
   std::function<void()> call;
+  double settle_seconds = 0;  // pause before each repetition of this comparison
 };
 
 /// Median and quartiles (linear interpolation) of a sample, plus min/max.
@@ -92,7 +101,7 @@ struct SideTimes {
   std::string label;
   int calls_per_rep = 1;
   std::vector<double> seconds;      // wall time per call, one entry per repetition
-  std::vector<double> cpu_seconds;  // the process's CPU time per call, same repetitions
+  std::vector<double> cpu_seconds;  // the calling thread's CPU time per call, same repetitions
   // Repetitions during which the kernel preempted a thread of this process
   // (involuntary context switches, getrusage): another process wanted the
   // core. Not discarded (the median takes care of a few); reported so that
@@ -128,13 +137,14 @@ inline long involuntary_switches() {
 
 inline double cpu_now() {
   timespec t{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
   return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
 }
 
 // Time one repetition of `s` (wall clock, per call); record it, and its CPU
 // time and preemption, in `out` when given.
-inline double time_rep(const Side& s, int calls, SideTimes* out = nullptr) {
+inline double time_rep(const Side& s, int calls, SideTimes* out = nullptr, double settle = 0) {
+  if (settle > 0) std::this_thread::sleep_for(std::chrono::duration<double>(settle));
   const long switches = involuntary_switches();
   const double cpu0 = cpu_now();
   const auto t0 = Steady::now();
@@ -169,19 +179,22 @@ inline PairedResult compare(const Side& a, const Side& b, const PairSettings& se
   r.b.label = b.label;
   r.a.calls_per_rep = detail::warm(a, set);
   r.b.calls_per_rep = detail::warm(b, set);
-  const auto start = detail::Steady::now();  // the budget counts timed pairs only
+  const double settle = std::max(a.settle_seconds, b.settle_seconds);
+  const auto start = detail::Steady::now();  // the budget counts timed pairs, pauses excluded
+  double paused = 0;
   for (int pair = 0;; ++pair) {
     if (pair % 2 == 0) {
-      detail::time_rep(a, r.a.calls_per_rep, &r.a);
-      detail::time_rep(b, r.b.calls_per_rep, &r.b);
+      detail::time_rep(a, r.a.calls_per_rep, &r.a, settle);
+      detail::time_rep(b, r.b.calls_per_rep, &r.b, settle);
     } else {
-      detail::time_rep(b, r.b.calls_per_rep, &r.b);
-      detail::time_rep(a, r.a.calls_per_rep, &r.a);
+      detail::time_rep(b, r.b.calls_per_rep, &r.b, settle);
+      detail::time_rep(a, r.a.calls_per_rep, &r.a, settle);
     }
+    paused += 2 * settle;
     r.wall_ratios.push_back(scale * r.a.seconds.back() / r.b.seconds.back());
     r.cpu_ratios.push_back(scale * r.a.cpu_seconds.back() / r.b.cpu_seconds.back());
     const int done = pair + 1;
-    if (done >= set.min_pairs && (done >= set.max_pairs || detail::seconds_since(start) >= set.budget_seconds)) break;
+    if (done >= set.min_pairs && (done >= set.max_pairs || detail::seconds_since(start) - paused >= set.budget_seconds)) break;
   }
   r.ratios = clock == Clock::cpu ? r.cpu_ratios : r.wall_ratios;
   r.ratio = summarize(r.ratios);

@@ -96,7 +96,7 @@ def main():
     axes[0].set_ylabel("time per call (ms), median and IQR")
     axes[0].legend(fontsize=8)
     ctx = data.get("context", {})
-    clock = "process CPU time" if args.threads == 1 else "wall time"
+    clock = "CPU time of the calling thread" if args.threads == 1 else "wall time"
     fig.suptitle("headmix_suite (%s mode), B=1, D=%d, %d thread(s), float, %s; %s\n%s" % (
         ctx.get("mode", "?"), args.D, args.threads, clock, ctx.get("headmix_gemm", ""), ctx.get("cpu", "")),
         fontsize=9)

@@ -108,6 +108,7 @@ Plan make_plan(const std::string& mode) {
   }
   if (mode != "default") throw std::invalid_argument("--mode must be default, full or smoke, not '" + mode + "'");
   p.settings.budget_seconds = 1.0;
+  p.settings.min_pairs = 7;
   p.settings.max_pairs = 15;
   p.widths = {{768, 12}};
   p.lengths = {256, 512, 1024, 2048};
@@ -128,6 +129,11 @@ inline void headmix_blas_threads() {
   openblas_set_num_threads(1);
 #endif
 }
+
+// Pause before each repetition of a comparison with a multi-threaded torch
+// side: OpenBLAS's idle workers spin for 2^28 cycles (its default
+// THREAD_TIMEOUT, ~0.1 s at 2-3 GHz) before they sleep.
+constexpr double kSpinSettleSeconds = 0.25;
 
 const std::vector<std::string> kVariants = {"MHA", "TalkingHeads", "CollabHead", "DCMHA", "LSH"};
 
@@ -409,6 +415,9 @@ class Suite {
       for (Path path : {Path::fused, Path::module}) {
         Side t{bench::torch_rows::path_name(path), bench::torch_rows::make_call(path, D, H, T, causal, threads)};
         if (!t.call) continue;
+        // At 2 threads torch's OpenBLAS worker spins for ~0.1 s after each
+        // call, on the core headmix's second worker wants (paired.hpp).
+        if (threads > 1) t.settle_seconds = kSpinSettleSeconds;
         Side mha = variant_side("MHA", {D, H, causal, threads}, T).first;
         mha.label = "headmix MHA";
         json p = layer_params({D, H, causal, threads}, T);
@@ -461,8 +470,8 @@ void Suite::print_tables() const {
       if (r.table == table) fn(r);
   };
   std::printf("\nAll ratios: median of the per-pair ratios [interquartile range] and the clock they come from;\n"
-              "! = a quartile more than %.0f%% from the median. cpu: both sides run on one thread, timed by the\n"
-              "process's CPU time (their latency less any time other processes took); wall: wall-clock time.\n"
+              "! = a quartile more than %.0f%% from the median. cpu: both sides run on the calling thread, timed\n"
+              "by its CPU time (their latency less any time other processes took); wall: wall-clock time.\n"
               "Times (ms) are medians per call on the same clock.\n",
               100 * plan_.settings.flag_spread);
 
@@ -601,7 +610,9 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
 #else
   c["torch"] = "not built (install libtorch-dev and reconfigure for the PyTorch rows)";
 #endif
-  c["clock"] = "cpu (the process's CPU time) for comparisons whose sides both run on 1 thread, wall otherwise";
+  c["clock"] = "cpu (the calling thread's CPU time) for comparisons whose sides both run on it, wall otherwise; "
+               "multi-threaded torch rows pause " + std::to_string(kSpinSettleSeconds) +
+               " s before each repetition, until OpenBLAS's idle workers stop spinning";
   c["pairs"] = {{"min_pairs", plan.settings.min_pairs},
                 {"max_pairs", plan.settings.max_pairs},
                 {"budget_seconds", plan.settings.budget_seconds},
