@@ -47,7 +47,16 @@ struct LayerShape {
   Index D, H;
   bool causal;
   int threads;
+  Index window = 0;    // sliding window (needs causal), 0 = none
+  Index kv_heads = 0;  // MHA's KV heads (grouped-query attention), 0 = H
 };
+
+// The dense options every suite layer shares.
+inline void set_dense(DenseOptions& opt, const LayerShape& s) {
+  opt.causal = s.causal;
+  opt.window = s.window;
+  opt.threads = s.threads;
+}
 
 // The suite's layer of each variant, with weights of unit-variance outputs
 // (random_linear's 1/sqrt(in) scale). Settings: Talking-Heads h_k = h = h_v
@@ -56,12 +65,13 @@ struct LayerShape {
 // R = 2, G = 1, K = 4H, pre and post compose (the released DCFormer
 // models); LSH bucket_size 64, n_hashes 4, seeded rotations.
 inline Mha<float> make_mha(const LayerShape& s) {
-  MhaWeights<float> w{random_linear<float>(s.D, s.D, 1), random_linear<float>(s.D, s.D, 2),
-                      random_linear<float>(s.D, s.D, 3), random_linear<float>(s.D, s.D, 4)};
+  const Index kv = s.kv_heads > 0 ? s.kv_heads : s.H, kv_width = s.D / s.H * kv;
+  MhaWeights<float> w{random_linear<float>(s.D, s.D, 1), random_linear<float>(kv_width, s.D, 2),
+                      random_linear<float>(kv_width, s.D, 3), random_linear<float>(s.D, s.D, 4)};
   MhaOptions opt;
+  set_dense(opt, s);
   opt.num_heads = s.H;
-  opt.causal = s.causal;
-  opt.threads = s.threads;
+  opt.num_kv_heads = kv;
   return Mha<float>(std::move(w), opt);
 }
 
@@ -74,9 +84,8 @@ inline TalkingHeads<float> make_talking_heads(const LayerShape& s) {
   w.pre_softmax = random_matrix<float>(s.H, s.H, 1.0 / std::sqrt(double(s.H)), 5);
   w.post_softmax = random_matrix<float>(s.H, s.H, 1.0 / std::sqrt(double(s.H)), 6);
   TalkingHeadsOptions opt;
+  set_dense(opt, s);
   opt.num_heads = s.H;
-  opt.causal = s.causal;
-  opt.threads = s.threads;
   return TalkingHeads<float>(std::move(w), opt);
 }
 
@@ -90,9 +99,8 @@ inline CollabHead<float> make_collab_head(const LayerShape& s) {
   w.v = random_linear<float>(s.D, s.D, 5);
   w.o = random_linear<float>(s.D, s.D, 6);
   CollabHeadOptions opt;
+  set_dense(opt, s);
   opt.num_heads = s.H;
-  opt.causal = s.causal;
-  opt.threads = s.threads;
   return CollabHead<float>(std::move(w), opt);
 }
 
@@ -107,10 +115,9 @@ inline Dcmha<float> make_dcmha(const LayerShape& s, Index block_rows = 0) {
   w.qkw = random_tensor<float>({1, 4, K, 2 * R, H}, 1.0 / std::sqrt(double(K)), 6);
   w.dd = random_tensor<float>({s.D, 1, 4 * H}, 1.0 / std::sqrt(double(s.D)), 7);
   DcmhaOptions opt;
+  set_dense(opt, s);
   opt.num_heads = H;
   opt.rank = R;
-  opt.causal = s.causal;
-  opt.threads = s.threads;
   opt.block_rows = block_rows;
   return Dcmha<float>(std::move(w), opt);
 }

@@ -10,7 +10,10 @@
 //   4. headmix MHA's time over PyTorch's (when built with libtorch), against
 //      each of torch's paths, the faster marked as the baseline;
 //   5. a decoding step (one token, S positions in view) against recomputing
-//      the causal forward over S positions.
+//      the causal forward over S positions, with the cache's memory (MHA
+//      also with grouped-query attention, H/8 KV heads);
+//   6. sliding windows: a causal layer with window W at a long T over the
+//      same at a short T (cost O(T · W)).
 //
 //   headmix_suite [--mode=default|full|smoke] [--json=results.json] [--only=<table>]
 //
@@ -36,6 +39,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #ifdef HEADMIX_BENCH_OPENBLAS
@@ -73,6 +77,7 @@ struct Plan {
   std::vector<Index> torch_lengths_2t;          // 2 threads
   Index decode_D = 1024, decode_H = 16;
   std::vector<Index> decode_lengths;
+  std::vector<std::tuple<Index, Index, Index>> window_lengths;  // (long T, short T, window) of the window rows
   std::vector<Index> lsh_alone_lengths;         // LSH timed alone (dense MHA too big)
 };
 
@@ -91,6 +96,7 @@ Plan make_plan(const std::string& mode) {
     p.decode_D = 64;
     p.decode_H = 4;
     p.decode_lengths = {64};
+    p.window_lengths = {{256, 64, 16}};
     return p;
   }
   if (mode == "full") {
@@ -103,6 +109,7 @@ Plan make_plan(const std::string& mode) {
     p.torch_lengths = p.lengths;
     p.torch_lengths_2t = p.lengths;
     p.decode_lengths = {512, 2048, 8192};
+    p.window_lengths = {{16384, 4096, 512}};
     p.lsh_alone_lengths = {16384};
     return p;
   }
@@ -118,6 +125,7 @@ Plan make_plan(const std::string& mode) {
   p.torch_lengths = {256, 512, 1024, 2048};
   p.torch_lengths_2t = {1024};
   p.decode_lengths = {512, 2048};
+  p.window_lengths = {{4096, 1024, 128}};
   return p;
 }
 
@@ -172,8 +180,9 @@ std::pair<Side, double> variant_side(const std::string& v, const LayerShape& s, 
 
 // One decoding step: one new token over a cache of S - 1 positions, the
 // cache truncated back afterwards so every call generates the same token.
+// `cache_bytes`: the memory of the cache, once the prompt has filled it.
 template <class Layer>
-Side step_side(const std::string& label, Layer layer, Index S, Index D) {
+Side step_side(const std::string& label, Layer layer, Index S, Index D, std::size_t& cache_bytes) {
   struct State {
     Layer layer;
     SequenceCache<float> cache;
@@ -184,6 +193,7 @@ Side step_side(const std::string& label, Layer layer, Index S, Index D) {
   const Matrix<float> prompt = bench::random_matrix<float>(S - 1, D, 1.0, 11);
   Matrix<float> y_prompt(S - 1, s->layer.out_dim());
   s->layer.step(as_batch(prompt), s->cache, as_batch(y_prompt), s->ws);
+  cache_bytes = s->cache.bytes();
   s->x = bench::random_matrix<float>(1, D, 1.0, 12);
   s->y.resize(1, s->layer.out_dim());
   const Index keep = S - 1;
@@ -196,11 +206,20 @@ Side step_side(const std::string& label, Layer layer, Index S, Index D) {
           }};
 }
 
-std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S) {
+// Decoding rows: every dense variant, and MHA with grouped-query attention
+// (H/8 KV heads: an eighth of the cache).
+const std::vector<std::string> kDecoders = {"MHA", "MHA GQA", "TalkingHeads", "CollabHead", "DCMHA"};
+
+std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S, std::size_t& cache_bytes) {
   auto with = [&](auto make) {
-    return std::pair<Side, Side>{forward_side(v + " recompute", make(s), S, s.D), step_side(v + " step", make(s), S, s.D)};
+    return std::pair<Side, Side>{forward_side(v + " recompute", make(s), S, s.D),
+                                 step_side(v + " step", make(s), S, s.D, cache_bytes)};
   };
   if (v == "MHA") return with(bench::make_mha);
+  if (v == "MHA GQA") return with([](LayerShape l) {
+      l.kv_heads = std::max<Index>(1, l.H / 8);
+      return bench::make_mha(l);
+    });
   if (v == "TalkingHeads") return with(bench::make_talking_heads);
   if (v == "CollabHead") return with(bench::make_collab_head);
   if (v == "DCMHA") return with([](const LayerShape& l) { return bench::make_dcmha(l); });
@@ -315,6 +334,7 @@ class Suite {
     if (wanted("yardstick")) yardstick();
     if (wanted("torch")) torch();
     if (wanted("decode")) decoding();
+    if (wanted("window")) window_scaling();
     if (wanted("alone")) lsh_alone();
   }
 
@@ -437,10 +457,31 @@ class Suite {
   void decoding() {
     const LayerShape s{plan_.decode_D, plan_.decode_H, true, 1};
     for (Index S : plan_.decode_lengths)
-      for (std::size_t v = 0; v + 1 < kVariants.size(); ++v) {  // every dense variant (not LSH)
-        auto [recompute, step] = decode_sides(kVariants[v], s, S);
-        json p = {{"D", s.D}, {"H", s.H}, {"S", S}, {"variant", kVariants[v]}};
-        add("decode", p, recompute, step, true);
+      for (const std::string& v : kDecoders) {
+        std::size_t cache_bytes = 0;
+        auto [recompute, step] = decode_sides(v, s, S, cache_bytes);
+        json p = {{"D", s.D}, {"H", s.H}, {"S", S}, {"variant", v}};
+        add("decode", p, recompute, step, true).extra["cache_bytes"] = cache_bytes;
+      }
+  }
+
+  // Sliding windows: the same causal layer with window W at a long and a
+  // short length. Its cost is O(T · W), so the ratio should approach the
+  // ratio of the lengths, not its square.
+  void window_scaling() {
+    for (const auto& [long_T, short_T, W] : plan_.window_lengths)
+      for (std::size_t v = 0; v + 1 < kVariants.size(); ++v) {  // every dense variant
+        LayerShape s{plan_.widths.front().first, plan_.widths.front().second, true, 1};
+        s.window = W;
+        auto a = variant_side(kVariants[v], s, long_T).first;
+        auto b = variant_side(kVariants[v], s, short_T).first;
+        a.label = kVariants[v] + " T=" + std::to_string(long_T);
+        b.label = kVariants[v] + " T=" + std::to_string(short_T);
+        json p = layer_params(s, long_T);
+        p["short_T"] = short_T;
+        p["window"] = W;
+        p["variant"] = kVariants[v];
+        add("window", p, a, b, true);
       }
   }
 
@@ -524,14 +565,32 @@ void Suite::print_tables() const {
 
   std::printf("\n5. Decoding one token with S positions in view, 1 thread: recompute the causal forward over S\n"
               "   positions / one cached step:\n");
-  std::printf("   %-13s %-22s %9s %12s  %-22s\n", "variant", "shape", "step ms", "recompute ms", "recompute / step");
+  std::printf("   %-13s %-22s %9s %12s %10s  %-22s\n", "variant", "shape", "step ms", "recompute ms", "cache MiB",
+              "recompute / step");
   each("decode", [](const Record& r) {
-    std::printf("   %-13s %-22s %9.3f %12.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
-                shape_text(r.params).c_str(), ms(r.r, r.r.b), ms(r.r, r.r.a), ratio_text(r.r).c_str());
+    std::printf("   %-13s %-22s %9.3f %12.2f %10.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                shape_text(r.params).c_str(), ms(r.r, r.r.b), ms(r.r, r.r.a),
+                r.extra["cache_bytes"].get<double>() / (1 << 20), ratio_text(r.r).c_str());
   });
 
+  bool windows = false;
+  each("window", [&](const Record&) { windows = true; });
+  if (windows) {
+    std::printf("\n6. Sliding window W, causal, 1 thread: time at the long T / time at the short T (linear cost:\n"
+                "   the ratio of the lengths):\n");
+    std::printf("   %-13s %-8s %-16s %9s %9s  %-22s\n", "variant", "W", "T long / short", "long ms", "short ms",
+                "time ratio");
+    each("window", [](const Record& r) {
+      const std::string lengths =
+          std::to_string(r.params["T"].get<long>()) + " / " + std::to_string(r.params["short_T"].get<long>());
+      std::printf("   %-13s %-8ld %-16s %9.1f %9.1f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                  r.params["window"].get<long>(), lengths.c_str(), ms(r.r, r.r.a), ms(r.r, r.r.b),
+                  ratio_text(r.r).c_str());
+    });
+  }
+
   if (!alone_.empty()) {
-    std::printf("\n6. LSH alone (dense attention does not fit): median ms per call [IQR]:\n");
+    std::printf("\n7. LSH alone (dense attention does not fit): median ms per call [IQR]:\n");
     for (const json& j : alone_)
       std::printf("   %-26s %9.1f [%.1f-%.1f] %s\n", shape_text(j["params"]).c_str(),
                   1e3 * j["a"]["median_seconds"].get<double>(), 1e3 * j["a"]["q1_seconds"].get<double>(),
@@ -636,7 +695,7 @@ int main(int argc, char** argv) try {
     else if (a.rfind("--only=", 0) == 0) only = a.substr(7);
     else {
       std::fprintf(stderr, "usage: headmix_suite [--mode=default|full|smoke] [--json=results.json] "
-                           "[--only=vs_mha|threads|yardstick|torch|decode|alone]\n");
+                           "[--only=vs_mha|threads|yardstick|torch|decode|window|alone]\n");
       return 2;
     }
   }
@@ -645,9 +704,9 @@ int main(int argc, char** argv) try {
   openblas_set_num_threads(1);  // headmix runs its own workers; rows that want more set them
 #endif
   Plan plan = make_plan(mode);
-  const std::vector<std::string> tables = {"vs_mha", "threads", "yardstick", "torch", "decode", "alone"};
+  const std::vector<std::string> tables = {"vs_mha", "threads", "yardstick", "torch", "decode", "window", "alone"};
   if (!only.empty() && std::find(tables.begin(), tables.end(), only) == tables.end())
-    throw std::invalid_argument("--only must name a table (vs_mha, threads, yardstick, torch, decode, alone), not '" +
+    throw std::invalid_argument("--only must name a table (vs_mha, threads, yardstick, torch, decode, window, alone), not '" +
                                 only + "'");
   plan.only = only;
   json context = make_context(plan, malloc_setup);

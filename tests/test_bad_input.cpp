@@ -360,13 +360,13 @@ std::vector<BadCase> catalogue() {
     k.w.v.bias.conservativeResize(3);
     k.layer();
   }, {"[mha] v.bias: expected [4], got [3]"});
-  add("mha_set_options_zero_block_rows", S::shape_error, [] {
+  add("mha_set_options_negative_block_rows", S::shape_error, [] {
     MhaKit k;
     auto layer = k.layer();
     auto o = k.opt;
-    o.block_rows = 0;
+    o.block_rows = -1;
     layer.set_options(o);
-  }, {"[mha] block_rows: expected >= 1, got 0"});
+  }, {"[mha] block_rows: expected >= 0 (0 = automatic), got -1"});
   add("mha_set_options_infinite_scale", S::shape_error, [] {
     MhaKit k;
     auto layer = k.layer();

@@ -64,6 +64,7 @@ struct Shape {
   double scale = 0;  // 0: the default 1/sqrt(R/H)
   bool causal = false;
   long offset = 0;
+  long window = 0;  // sliding window (with causal); 0 means none
   double pad_rate = 0;
   Index block_rows = 64;
   int threads = 1;
@@ -77,7 +78,7 @@ std::string describe(const Shape& s) {
     << " R=" << s.R << " Dv=" << s.Dv << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
     << (s.cross ? " cross" : " self") << " cb=" << s.content_bias << " v_bias=" << s.v_bias << " ln=" << s.layer_norm
     << " mixing=" << static_cast<int>(s.mixing) << " scale=" << s.scale << " causal=" << s.causal
-    << " offset=" << s.offset << " pad_rate=" << s.pad_rate << " block_rows=" << s.block_rows
+    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " block_rows=" << s.block_rows
     << " threads=" << s.threads;
   return o.str();
 }
@@ -126,6 +127,7 @@ struct Problem {
     o.num_heads = s.H;
     o.causal = s.causal;
     o.causal_offset = s.offset;
+    o.window = s.window;
     if (s.scale != 0) o.scale = s.scale;
     o.block_rows = s.block_rows;
     o.threads = s.threads;
@@ -153,6 +155,7 @@ struct Problem {
     headmix_ref::RefCollabOptions ro;
     ro.causal = s.causal;
     ro.causal_offset = s.offset;
+    ro.window = s.window;
     // The shape's scale, or 0: the reference's own default from collab.md,
     // 1/sqrt(R/H), never the layer's (which the float layer rounds to float).
     ro.scale = s.scale;
@@ -648,11 +651,32 @@ TYPED_TEST(CollabHeadTest, OptionsChangedBetweenCalls) {
   }
 }
 
+// Windows of 1, 3 and more than T over causal offsets, self and padded
+// cross (the test_util.hpp cases), dense and block mixing, a LayerNorm.
+TYPED_TEST(CollabHeadTest, SlidingWindowMatchesReference) {
+  for_each_window_case<Shape>(500, [](Shape s, unsigned seed) {
+    s.mixing = seed % 3 == 1 ? Mixing::block : Mixing::dense, s.layer_norm = seed % 4 == 3;
+    expect_matches_reference(make_problem<TypeParam>(s, seed));
+  });
+}
+
+// A window of at least T is plain causal, bit for bit; block_rows = 0
+// (automatic) gives the reference's result over more than one block.
+TYPED_TEST(CollabHeadTest, LongWindowIsPlainCausalAndAutomaticBlockRows) {
+  Shape s;
+  s.T = 9, s.causal = true, s.pad_rate = 0.2, s.block_rows = 4;
+  expect_long_window_is_plain_causal(make_problem<TypeParam>(s, 510), [](const auto& p) { return run(p); });
+  s.B = 1, s.T = 70, s.block_rows = 0, s.causal = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 511));
+  s.causal = true, s.window = 5, s.threads = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 512));
+}
+
 // flops() must equal the multiply-adds the naive algorithm performs:
 // projections (shared query/key, content bias, values, o), the mixed query
 // rows, and (span + Dv) per causally visible pair per head.
 TYPED_TEST(CollabHeadTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(9);
+  std::vector<Shape> shapes(11);
   shapes[0].D = 16, shapes[0].R = 12, shapes[0].Dv = 8, shapes[0].out = 16, shapes[0].T = 7;
   shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].R = 5, shapes[1].Dv = 5,
   shapes[1].causal = true, shapes[1].out_proj = false;
@@ -663,6 +687,9 @@ TYPED_TEST(CollabHeadTest, FlopsEqualReferenceCount) {
   shapes[6].H = 4, shapes[6].R = 16, shapes[6].T = 9, shapes[6].mixing = Mixing::block;
   shapes[7].H = 3, shapes[7].R = 11, shapes[7].T = 6, shapes[7].mixing = Mixing::banded, shapes[7].layer_norm = true;
   shapes[8].H = 2, shapes[8].T = 4, shapes[8].mixing = Mixing::zero_row, shapes[8].cross = true, shapes[8].S = 3;
+  shapes[9].T = 9, shapes[9].causal = true, shapes[9].window = 3;  // only the pairs inside the window
+  shapes[10].cross = true, shapes[10].T = 4, shapes[10].S = 12, shapes[10].causal = true, shapes[10].offset = 6,
+  shapes[10].window = 5, shapes[10].pad_rate = 0.3, shapes[10].mixing = Mixing::block, shapes[10].H = 3;
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const auto p = make_problem<TypeParam>(shapes[n], 70 + static_cast<unsigned>(n));
     SCOPED_TRACE(describe(p.s));
@@ -913,14 +940,21 @@ TEST_F(BadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
   EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
 }
 
-TEST_F(BadInput, ZeroBlockRows) {
-  opt.block_rows = 0;
-  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 1", "got 0");
+TEST_F(BadInput, NegativeBlockRows) {
+  opt.block_rows = -1;
+  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
 }
 
 TEST_F(BadInput, ZeroThreads) {
   opt.threads = 0;
   EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, WindowNeedsCausalAndIsNotNegative) {
+  opt.window = 2;
+  EXPECT_SHAPE_ERROR(build(), "window", "expected 0 unless causal (a window needs causal = true)", "got 2");
+  opt.causal = true, opt.window = -1;
+  EXPECT_SHAPE_ERROR(build(), "window", "expected >= 0", "got -1");
 }
 
 TEST_F(BadInput, NonFiniteScale) {
@@ -938,8 +972,8 @@ TEST_F(BadInput, SetOptionsChecksAndKeepsTheOldOptions) {
     change(o);
     return o;
   };
-  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.block_rows = 0; })), "block_rows", "expected >= 1",
-                     "got 0");
+  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.block_rows = -1; })), "block_rows", "expected >= 0",
+                     "got -1");
   EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.threads = 0; })), "threads", "expected >= 1", "got 0");
   EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.num_heads = 3; })), "mixing", "expected [3, 6]",
                      "got [2, 6]");

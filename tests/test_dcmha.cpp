@@ -66,6 +66,7 @@ struct Config {
   bool bias = false;
   bool use_pre = true, use_post = true, query_wise = true, key_wise = true, static_w = false;
   bool causal = true;
+  long offset = 0;  // causal_offset
   int window = 0;
   bool gelu_tanh = false;
   double pad_rate = 0;       // chance that each key is padded
@@ -84,7 +85,8 @@ std::string describe(const Config& c) {
   o << "B=" << c.B << " T=" << c.T << " D=" << c.D << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
     << " out=" << c.out << " G=" << c.G << " R=" << c.R << " K=" << c.K << " bias=" << c.bias << " pre=" << c.use_pre
     << " post=" << c.use_post << " qw=" << c.query_wise << " kw=" << c.key_wise << " static=" << c.static_w
-    << " causal=" << c.causal << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh << " eps=" << c.dw_norm_eps
+    << " causal=" << c.causal << " offset=" << c.offset << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh
+    << " eps=" << c.dw_norm_eps
     << " pad=" << c.pad_rate
     << " block_rows=" << c.block_rows << " threads=" << c.threads;
   return o.str();
@@ -108,6 +110,7 @@ struct Problem {
     o.key_wise = c.key_wise;
     o.static_w = c.static_w;
     o.causal = c.causal;
+    o.causal_offset = c.offset;
     o.window = c.window;
     o.gelu = c.gelu_tanh ? headmix::DcmhaGelu::tanh : headmix::DcmhaGelu::erf;
     o.dw_norm_eps = c.dw_norm_eps;
@@ -136,7 +139,8 @@ struct Problem {
   headmix_ref::RefDcmhaOptions ref_options() const {
     headmix_ref::RefDcmhaOptions o;
     o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
-    o.static_w = c.static_w, o.causal = c.causal, o.window = c.window, o.gelu_tanh = c.gelu_tanh;
+    o.static_w = c.static_w, o.causal = c.causal, o.causal_offset = c.offset, o.window = c.window;
+    o.gelu_tanh = c.gelu_tanh;
     o.eps = c.dw_norm_eps;
     return o;
   }
@@ -379,6 +383,25 @@ TYPED_TEST(DcmhaTest, WindowOneIgnoresPreCompose) {
   EXPECT_TRUE(all_close("output", with.out, widen(without.out), default_tolerance<TypeParam>()));
 }
 
+// causal_offset shifts the causal (and window) edge: query t sees keys
+// s <= t + offset. Negative offsets hide every key from the first rows,
+// positive ones show later keys; with windows, padding, groups, every
+// branch, small and automatic (0) block sizes, 1 or 3 threads.
+TYPED_TEST(DcmhaTest, CausalOffsetMatchesReference) {
+  unsigned seed = 600;
+  for (long offset : {-2L, 1L, 3L})
+    for (int window : {0, 1, 3}) {
+      Config c;
+      c.T = 9, c.offset = offset, c.window = window;
+      c.pad_rate = seed % 2 == 0 ? 0.3 : 0.0, c.G = seed % 3 == 0 ? 2 : 1, c.static_w = seed % 2 == 1;
+      c.block_rows = seed % 4 == 0 ? 0 : 2, c.threads = seed % 3 == 1 ? 3 : 1;
+      expect_matches_reference(make_problem<TypeParam>(c, seed++));
+    }
+  Config c;  // offset beyond T: every key visible, as without causal
+  c.T = 6, c.offset = 50;
+  expect_matches_reference(make_problem<TypeParam>(c, seed));
+}
+
 TYPED_TEST(DcmhaTest, NonCausal) {
   Config c;
   c.causal = false, c.T = 9;
@@ -569,7 +592,7 @@ TYPED_TEST(DcmhaTest, SetOptions) {
 
 // flops() equals the multiply-adds the naive algorithm performs, by kind.
 TYPED_TEST(DcmhaTest, FlopsEqualReferenceCount) {
-  std::vector<Config> configs(8);
+  std::vector<Config> configs(10);
   configs[1].causal = false, configs[1].static_w = true, configs[1].out = 0;
   configs[2].window = 3, configs[2].T = 9, configs[2].G = 2, configs[2].R = 1;
   configs[3].use_pre = false, configs[3].key_wise = false, configs[3].bias = true;
@@ -577,6 +600,8 @@ TYPED_TEST(DcmhaTest, FlopsEqualReferenceCount) {
   configs[5].use_pre = configs[5].use_post = false;
   configs[6].H = 6, configs[6].G = 3, configs[6].R = 3, configs[6].K = 4, configs[6].pad_rate = 0.3, configs[6].B = 1;
   configs[7].T = 1, configs[7].query_wise = configs[7].key_wise = false;
+  configs[8].offset = -2, configs[8].window = 3;  // only the pairs the offset and window leave
+  configs[9].offset = 3, configs[9].T = 9, configs[9].G = 2, configs[9].static_w = true;
   for (std::size_t i = 0; i < configs.size(); ++i) {
     const auto p = make_problem<TypeParam>(configs[i], 80 + static_cast<unsigned>(i));
     SCOPED_TRACE(describe(p.c));

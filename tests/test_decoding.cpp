@@ -296,6 +296,22 @@ std::vector<std::vector<Index>> chunkings(Index T_) {
   return all;
 }
 
+// Steps of every chunking agree with the full causal forward of `layer`
+// over x, outputs and the weights of its `heads` heads, to tolerance<T>().
+template <class T, class Layer>
+void expect_steps_match_forward(const Layer& layer, const Tensor<T>& x, Index heads, const std::string& what) {
+  Workspace<T> ws;
+  Tensor<T> full_probs;
+  const Tensor<T> full = layer.forward(AttentionInput<T>{x.batch(), {}, {}}, ws, &full_probs);
+  for (const auto& chunks : chunkings(x.dim(1))) {
+    Tensor<T> probs;
+    const Tensor<T> y = decode(layer, x, chunks, layer.out_dim(), &probs, heads);
+    const std::string where = what + " steps=" + std::to_string(chunks.size());
+    expect_close(y, full, tolerance<T>(), where + " output");
+    expect_close(probs, full_probs, tolerance<T>(), where + " weights");
+  }
+}
+
 // Steps agree with the full causal forward to the float tolerance of the
 // MHA test (float 2e-5, double 1e-12 relative to 1 + |value|), outputs and
 // the final (post-mix) weights alike, for three different head counts, a
@@ -309,17 +325,9 @@ TYPED_TEST(Decoding, TalkingHeadsStepsMatchFullCausalForward) {
   for (const ThShape& s : shapes) {
     const TalkingHeads<T> layer = random_talking_heads<T>(s, D, dk, dv, out_dim, rng);
     const Tensor<T> x = random_batch<T>(B, T_, D, rng);
-    Workspace<T> ws;
-    Tensor<T> full_probs;
-    const Tensor<T> full = layer.forward(AttentionInput<T>{x.batch(), {}, {}}, ws, &full_probs);
-    for (const auto& chunks : chunkings(T_)) {
-      Tensor<T> probs;
-      const Tensor<T> y = decode(layer, x, chunks, out_dim, &probs, s.hv);
-      const std::string what = "h_k=" + std::to_string(s.hk) + " h=" + std::to_string(s.h) +
-                               " h_v=" + std::to_string(s.hv) + " chunks=" + std::to_string(chunks.size());
-      expect_close(y, full, tolerance<T>(), what + " output");
-      expect_close(probs, full_probs, tolerance<T>(), what + " weights");
-    }
+    expect_steps_match_forward(layer, x, s.hv,
+                               "h_k=" + std::to_string(s.hk) + " h=" + std::to_string(s.h) +
+                                   " h_v=" + std::to_string(s.hv));
   }
 }
 
@@ -649,19 +657,10 @@ TYPED_TEST(Decoding, CollabHeadStepsMatchFullCausalForward) {
   for (const CollabShape& s : shapes) {
     const CollabHead<T> layer = random_collab<T>(s, D, R, H, dv, rng);
     const Tensor<T> x = random_batch<T>(B, T_, D, rng);
-    Workspace<T> ws;
-    Tensor<T> full_probs;
-    const Tensor<T> full = layer.forward(AttentionInput<T>{x.batch(), {}, {}}, ws, &full_probs);
-    for (const auto& chunks : chunkings(T_)) {
-      Tensor<T> probs;
-      const Tensor<T> y = decode(layer, x, chunks, layer.out_dim(), &probs, H);
-      const std::string what = "content_bias=" + std::to_string(s.content_bias) + " block=" +
-                               std::to_string(s.block_mixing) + " dense=" + std::to_string(s.dense) +
-                               " layer_norm=" + std::to_string(s.layer_norm) + " steps=" +
-                               std::to_string(chunks.size());
-      expect_close(y, full, tolerance<T>(), what + " output");
-      expect_close(probs, full_probs, tolerance<T>(), what + " weights");
-    }
+    expect_steps_match_forward(layer, x, H,
+                               "content_bias=" + std::to_string(s.content_bias) + " block=" +
+                                   std::to_string(s.block_mixing) + " dense=" + std::to_string(s.dense) +
+                                   " layer_norm=" + std::to_string(s.layer_norm));
   }
 }
 
@@ -724,6 +723,75 @@ TEST(Decoding, CollabHeadSizedStepsAllocateNothing) {
               while (cache.size() < capacity) layer.step(x.batch(), cache, y.batch(), ws);
             }),
             0);
+}
+
+// ---- Grouped-query attention and sliding windows in steps --------------------
+
+// A causal MHA layer of H = 4 query heads over `kv_heads` KV heads.
+template <class T>
+Mha<T> random_gqa(Index kv_heads, Index window, Index D, Index dk, Index dv, Index out_dim, std::mt19937& rng) {
+  const Index H = 4;
+  MhaWeights<T> w{random_linear<T>(H * dk, D, rng), random_linear<T>(kv_heads * dk, D, rng),
+                  random_linear<T>(kv_heads * dv, D, rng), random_linear<T>(out_dim, H * dv, rng)};
+  MhaOptions opt;
+  opt.num_heads = H;
+  opt.num_kv_heads = kv_heads;
+  opt.causal = true;
+  opt.window = window;
+  opt.block_rows = 4;
+  return Mha<T>(std::move(w), opt);
+}
+
+// Steps (token by token, uneven chunks, one chunk) agree with the full
+// causal forward of the same options, window included, outputs and
+// weights, to the tolerance of the other decoding tests: grouped-query MHA
+// (multi-query, two groups, standard), Talking-Heads and CollabHead.
+TYPED_TEST(Decoding, GroupedQueryAndWindowedStepsMatchForward) {
+  using T = TypeParam;
+  const Index B = 2, T_ = 13, D = 12;
+  std::mt19937 rng(41);
+  auto check = [&](const auto& layer, Index heads, const std::string& what) {
+    expect_steps_match_forward(layer, random_batch<T>(B, T_, D, rng), heads, what);
+  };
+  for (const auto& [kv_heads, window] : {std::pair<Index, Index>{1, 0}, {2, 3}, {4, 1}, {1, 5}})
+    check(random_gqa<T>(kv_heads, window, D, 3, 5, 7, rng), 4,
+          "mha kv_heads=" + std::to_string(kv_heads) + " window=" + std::to_string(window));
+  for (Index window : {1, 4}) {
+    TalkingHeads<T> th = random_talking_heads<T>({3, 5, 4, true, true}, D, 4, 3, 7, rng);
+    CollabHead<T> collab = random_collab<T>({true, false, true, true}, D, 8, 4, 3, rng);
+    auto to = th.options();
+    to.window = window;
+    th.set_options(to);
+    auto co = collab.options();
+    co.window = window;
+    collab.set_options(co);
+    check(th, 4, "talking_heads window=" + std::to_string(window));
+    check(collab, 4, "collab window=" + std::to_string(window));
+  }
+}
+
+// The cache keeps the KV heads only: streams of Hkv·Dk and Hkv·Dv, so
+// 1/group of a standard MHA's memory. A cache bound to one grouping does
+// not serve another.
+TEST(Decoding, GroupedQueryCacheHoldsOnlyKvHeads) {
+  std::mt19937 rng(42);
+  const Index B = 2, cap = 6, D = 8, dk = 3, dv = 5;
+  const Tensor<double> x = random_batch<double>(B, 1, D, rng);
+  Workspace<double> ws;
+  Tensor<double> y({B, 1, 7});
+  SequenceCache<double> two_groups(B, cap);
+  for (Index kv_heads : {2, 1, 4}) {
+    const Mha<double> layer = random_gqa<double>(kv_heads, 0, D, dk, dv, 7, rng);
+    SequenceCache<double> cache(B, cap);
+    layer.step(x.batch(), cache, y.batch(), ws);
+    EXPECT_EQ(cache.stream(0, 0).cols(), kv_heads * dk) << kv_heads;
+    EXPECT_EQ(cache.stream(1, 0).cols(), kv_heads * dv) << kv_heads;
+    EXPECT_EQ(cache.stream(0).size() + cache.stream(1).size(), B * cap * kv_heads * (dk + dv)) << kv_heads;
+    if (kv_heads == 2) layer.step(x.batch(), two_groups, y.batch(), ws);
+    if (kv_heads == 1) {
+      EXPECT_THROW(layer.step(x.batch(), two_groups, y.batch(), ws), shape_error);
+    }
+  }
 }
 
 // truncate(n) rolls a cache back (rejected draft tokens): the positions
@@ -850,9 +918,9 @@ TEST(Decoding, CollabHeadFromTensorsReadsCollabMdNamesUnderAPrefix) {
   EXPECT_THROW((void)CollabHead<double>::from_tensors(half_norm, p, direct.options()), io::io_error);
   // An option is not a tensor: its name stays as it is.
   CollabHeadOptions bad = direct.options();
-  bad.block_rows = 0;
+  bad.block_rows = -1;
   EXPECT_EQ(shape_error_message([&] { (void)CollabHead<double>::from_tensors(f, p, bad); }),
-            "[collab] block_rows: expected >= 1, got 0");
+            "[collab] block_rows: expected >= 0 (0 = automatic), got -1");
 }
 
 // MHA and Talking-Heads name the prefixed tensor too.
@@ -872,8 +940,41 @@ TEST(Decoding, FromTensorsShapeErrorsNameTheStoredTensor) {
   to.num_heads = H;
   EXPECT_EQ(shape_error_message([&] { (void)TalkingHeads<double>::from_tensors(f, p, to); }),
             "[talking_heads] model.layers.0.self_attn.v.weight: expected [8, 8], got [8, 9]");
-  mo.block_rows = 0;  // an option, not a tensor
-  EXPECT_EQ(shape_error_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }), "[mha] block_rows: expected >= 1, got 0");
+  mo.block_rows = -1;  // an option, not a tensor
+  EXPECT_EQ(shape_error_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }),
+            "[mha] block_rows: expected >= 0 (0 = automatic), got -1");
+}
+
+// from_tensors reads grouped-query K and V ([Hkv·Dk, D], [Hkv·Dv, D]) under
+// the same names: the layer the weights build directly, bit for bit. The
+// same file read as a standard MHA names the stored k.weight.
+TEST(Decoding, MhaFromTensorsReadsGroupedQueryKv) {
+  std::mt19937 rng(43);
+  const Index D = 8, H = 4, Hkv = 2, dk = 2, dv = 2;
+  const std::string p = "model.layers.1.self_attn.";
+  MhaWeights<double> w{random_linear<double>(H * dk, D, rng), random_linear<double>(Hkv * dk, D, rng),
+                       random_linear<double>(Hkv * dv, D, rng), random_linear<double>(D, H * dv, rng)};
+  io::TensorFile f;
+  for (const auto& [name, lin] : {std::pair<std::string, const Linear<double>*>{"q", &w.q}, {"k", &w.k}, {"v", &w.v},
+                                  {"o", &w.o}}) {
+    f.put(p + name + ".weight", io::StoredTensor::from(as_tensor(lin->weight)));
+    f.put(p + name + ".bias", io::StoredTensor::from(as_tensor(lin->bias)));
+  }
+  MhaOptions mo;
+  mo.num_heads = H;
+  mo.num_kv_heads = Hkv;
+  mo.causal = true;
+  const auto loaded = Mha<double>::from_tensors(f, p, mo);
+  EXPECT_EQ(loaded.num_kv_heads(), Hkv);
+  const Mha<double> direct(w, mo);
+  const Tensor<double> x = random_batch<double>(2, 5, D, rng);
+  Workspace<double> ws;
+  const Tensor<double> a = loaded.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  const Tensor<double> b = direct.forward(AttentionInput<double>{x.batch(), {}, {}}, ws);
+  for (Index i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]);
+  mo.num_kv_heads = 0;  // standard MHA wants H·Dk key rows
+  EXPECT_EQ(shape_error_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }),
+            "[mha] model.layers.1.self_attn.k.weight: expected [8, 8], got [4, 8]");
 }
 
 // DCMHA from dcmha.md's names under a prefix equals the layer built from

@@ -45,25 +45,29 @@ using headmix::Tensor;
 /// One test problem. Self-attention forces S = T and Dkv = D.
 struct Shape {
   int B = 2, T = 5, S = 5, D = 8, Dkv = 8, H = 2, Dk = 4, Dv = 4, out = 8;
+  int Hkv = 0;            // KV heads (grouped-query attention); 0 means H
   bool cross = false;
   bool bias = true;       // false: all four biases absent
   bool out_proj = true;   // false: o is empty and the output is the concatenated heads
   bool causal = false;
   long offset = 0;
+  long window = 0;        // sliding window (with causal); 0 means none
   double pad_rate = 0;    // chance that each key is padded
   Index block_rows = 64;
   int threads = 1;
 
+  int kv_heads() const { return Hkv > 0 ? Hkv : H; }
   int out_dim() const { return out_proj ? out : H * Dv; }
 };
 
 std::string describe(const Shape& s) {
   std::ostringstream o;
   o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " H=" << s.H
-    << " Dk=" << s.Dk << " Dv=" << s.Dv << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
+    << " Hkv=" << s.kv_heads() << " Dk=" << s.Dk << " Dv=" << s.Dv
+    << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
     << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
-    << " offset=" << s.offset << " pad_rate=" << s.pad_rate << " block_rows=" << s.block_rows
-    << " threads=" << s.threads;
+    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate
+    << " block_rows=" << s.block_rows << " threads=" << s.threads;
   return o.str();
 }
 
@@ -89,8 +93,10 @@ struct Problem {
   headmix::MhaOptions options() const {
     headmix::MhaOptions o;
     o.num_heads = s.H;
+    o.num_kv_heads = s.Hkv;
     o.causal = s.causal;
     o.causal_offset = s.offset;
+    o.window = s.window;
     o.block_rows = s.block_rows;
     o.threads = s.threads;
     return o;
@@ -107,8 +113,10 @@ struct Problem {
     headmix_ref::RefMhaWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o)};
     headmix_ref::RefMhaOptions ro;
     ro.num_heads = s.H;
+    ro.num_kv_heads = s.Hkv;
     ro.causal = s.causal;
     ro.causal_offset = s.offset;
+    ro.window = s.window;
     const headmix_ref::RefBatch q = to_ref_batch(xq, s.B);
     if (!s.cross) return headmix_ref::mha_reference(rw, ro, q, nullptr, padding);
     const headmix_ref::RefBatch k = to_ref_batch(xk, s.B);
@@ -123,8 +131,8 @@ Problem<T> make_problem(Shape s, unsigned seed) {
   Problem<T> p;
   p.s = s;
   p.w.q = random_linear<T>(rng, s.H * s.Dk, s.D, s.bias);
-  p.w.k = random_linear<T>(rng, s.H * s.Dk, s.Dkv, s.bias);
-  p.w.v = random_linear<T>(rng, s.H * s.Dv, s.Dkv, s.bias);
+  p.w.k = random_linear<T>(rng, s.kv_heads() * s.Dk, s.Dkv, s.bias);
+  p.w.v = random_linear<T>(rng, s.kv_heads() * s.Dv, s.Dkv, s.bias);
   if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.H * s.Dv, s.bias);
   p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
   if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
@@ -555,7 +563,7 @@ TYPED_TEST(MhaTest, OptionsChangedBetweenCalls) {
 // flops() must equal the multiply-adds the naive algorithm performs: all
 // projections, plus (Dk + Dv) per causally visible (query, key) pair per head.
 TYPED_TEST(MhaTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(7);
+  std::vector<Shape> shapes(10);
   shapes[0].D = 16, shapes[0].Dk = 8, shapes[0].Dv = 8, shapes[0].out = 16, shapes[0].T = 7;
   shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].Dk = 3, shapes[1].Dv = 5,
   shapes[1].causal = true, shapes[1].out_proj = false;
@@ -565,6 +573,12 @@ TYPED_TEST(MhaTest, FlopsEqualReferenceCount) {
   shapes[5].B = 3, shapes[5].T = 1, shapes[5].H = 3, shapes[5].out = 2, shapes[5].bias = false;
   shapes[6].cross = true, shapes[6].T = 11, shapes[6].S = 4, shapes[6].causal = true, shapes[6].offset = 1,
   shapes[6].H = 1, shapes[6].pad_rate = 0.3;
+  // Grouped-query K/V projections count Hkv heads; windows count only
+  // the pairs inside the window.
+  shapes[7].H = 4, shapes[7].Hkv = 2, shapes[7].T = 6, shapes[7].cross = true, shapes[7].S = 9;
+  shapes[8].H = 4, shapes[8].Hkv = 1, shapes[8].T = 9, shapes[8].causal = true, shapes[8].window = 3;
+  shapes[9].cross = true, shapes[9].T = 5, shapes[9].S = 12, shapes[9].causal = true, shapes[9].offset = 4,
+  shapes[9].window = 2, shapes[9].pad_rate = 0.3;
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const auto p = make_problem<TypeParam>(shapes[n], 60 + static_cast<unsigned>(n));
     SCOPED_TRACE(describe(p.s));
@@ -574,6 +588,132 @@ TYPED_TEST(MhaTest, FlopsEqualReferenceCount) {
     EXPECT_EQ(got.attention_macs, want.attention_macs);
     EXPECT_EQ(got.macs(), want.projection_macs + want.attention_macs);
   }
+}
+
+// ---------------------------------------------------------------------------
+// Grouped-query attention (num_kv_heads) and sliding windows
+
+// H = 4 query heads over Hkv = 1 (multi-query), 2 and 4 (standard) KV
+// heads, self and cross, padded, causal with offsets, several block sizes
+// (0 = automatic) and thread counts.
+TYPED_TEST(MhaTest, GroupedQueryMatchesReference) {
+  unsigned seed = 300;
+  for (int hkv : {1, 2, 4}) {
+    for (int variant = 0; variant < 4; ++variant) {
+      Shape s;
+      s.H = 4, s.Hkv = hkv, s.T = 7, s.Dk = 3, s.Dv = 5;
+      s.cross = variant % 2 == 1, s.S = 10, s.Dkv = 6;
+      s.pad_rate = variant >= 1 ? 0.3 : 0.0;
+      s.causal = variant >= 2, s.offset = variant == 3 ? -1 : (s.cross ? 3 : 0);
+      s.block_rows = variant == 0 ? 0 : variant;
+      s.threads = 1 + variant % 3;
+      expect_matches_reference(make_problem<TypeParam>(s, seed++));
+    }
+  }
+  Shape s;  // no output projection: the context still has H heads
+  s.H = 4, s.Hkv = 2, s.out_proj = false, s.bias = false;
+  const auto p = make_problem<TypeParam>(s, seed);
+  EXPECT_EQ(p.layer().out_dim(), 4 * s.Dv);
+  expect_matches_reference(p);
+}
+
+// p's K and V weights repeated per group by a loop: the weights of the
+// standard MHA (num_kv_heads = H) that p's grouped-query layer stands for.
+template <class T>
+Problem<T> with_repeated_kv(const Problem<T>& p) {
+  Problem<T> full = p;
+  const int H = p.s.H, group = H / p.s.kv_heads();
+  full.s.Hkv = 0;
+  auto repeat = [&](const headmix::Linear<T>& in, int width) {
+    headmix::Linear<T> out;
+    out.weight.resize(H * width, in.weight.cols());
+    out.bias.resize(in.bias.size() == 0 ? 0 : H * width);
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < width; ++r) {
+        const int from = (h / group) * width + r, to = h * width + r;
+        for (Index c = 0; c < in.weight.cols(); ++c) out.weight(to, c) = in.weight(from, c);
+        if (in.bias.size() != 0) out.bias(to) = in.bias(from);
+      }
+    return out;
+  };
+  full.w.k = repeat(p.w.k, p.s.Dk);
+  full.w.v = repeat(p.w.v, p.s.Dv);
+  return full;
+}
+
+// The grouped layer is the standard MHA with K and V repeated per group.
+// Q, each head's scores and readout are the same products, but the K and V
+// projections are GEMMs of a different width, which Eigen may block
+// differently; so agreement is to a few roundings, not bit for bit.
+TYPED_TEST(MhaTest, GroupedQueryEqualsMhaWithRepeatedKv) {
+  using T = TypeParam;
+  const Tolerance tight = std::is_same_v<T, double> ? Tolerance{1e-13, 1e-15} : Tolerance{4e-6, 1e-7};
+  for (int hkv : {1, 2}) {
+    Shape s;
+    s.H = 4, s.Hkv = hkv, s.T = 9, s.cross = true, s.S = 11, s.Dkv = 7, s.pad_rate = 0.3;
+    s.causal = true, s.offset = 2, s.window = hkv == 1 ? 0 : 4, s.block_rows = 3;
+    const auto p = make_problem<T>(s, 320 + static_cast<unsigned>(hkv));
+    SCOPED_TRACE(describe(p.s));
+    const auto full = with_repeated_kv(p);
+    const Result<T> grouped = run(p), standard = run(full);
+    EXPECT_TRUE(all_close("output", grouped.out, widen(standard.out), tight));
+    EXPECT_TRUE(all_close("probs", grouped.probs, widen(standard.probs), tight));
+    expect_matches_reference(full);
+  }
+}
+
+// expand_kv_heads() gives exactly the loop-repeated weights, so a standard
+// MHA built from them is the grouped layer; mha_to_collab() accepts the
+// grouped layer and its exact copy (R = H·Dk) keeps the layer's output,
+// window included, within the reference tolerance.
+TYPED_TEST(MhaTest, ExpandKvHeadsAndMhaToCollabAcceptGroupedQuery) {
+  using T = TypeParam;
+  Shape s;
+  s.H = 4, s.Hkv = 2, s.T = 8, s.D = 10, s.Dk = 3, s.Dv = 2, s.causal = true, s.window = 3, s.pad_rate = 0.25;
+  const auto p = make_problem<T>(s, 330);
+  const headmix::Mha<T> grouped = p.layer();
+  const auto full = with_repeated_kv(p);
+  const headmix::MhaWeights<T> expanded = headmix::decomp::expand_kv_heads(grouped);
+  auto same = [](const headmix::Linear<T>& a, const headmix::Linear<T>& b) {
+    return a.weight.rows() == b.weight.rows() && a.weight.cols() == b.weight.cols() &&
+           a.bias.size() == b.bias.size() && a.weight == b.weight && a.bias == b.bias;
+  };
+  EXPECT_TRUE(same(expanded.k, full.w.k));
+  EXPECT_TRUE(same(expanded.v, full.w.v));
+  EXPECT_TRUE(same(expanded.q, p.w.q) && same(expanded.o, p.w.o));
+
+  const auto c = headmix::decomp::mha_to_collab(grouped, s.H * s.Dk);
+  EXPECT_TRUE(c.exact);
+  EXPECT_EQ(c.options.window, s.window);
+  const headmix::CollabHead<T> collab(c.weights, c.options);
+  headmix::Workspace<T> ws;
+  Tensor<T> probs;
+  const Tensor<T> out = collab.forward(p.input(), ws, &probs);
+  const auto want = p.reference();
+  EXPECT_TRUE(all_close("collab output", out, want.output, default_tolerance<T>()));
+  EXPECT_TRUE(all_close("collab probs", probs, want.probs, default_tolerance<T>()));
+}
+
+// Windows of 1, 3 and more than T over causal offsets, self and padded
+// cross (the test_util.hpp cases), with 3 query heads over 3 or 1 KV heads.
+TYPED_TEST(MhaTest, SlidingWindowMatchesReference) {
+  for_each_window_case<Shape>(340, [](Shape s, unsigned seed) {
+    s.H = 3, s.Hkv = seed % 2 == 0 ? 0 : 1;
+    expect_matches_reference(make_problem<TypeParam>(s, seed));
+  });
+}
+
+// A window of at least T is plain causal, bit for bit; block_rows = 0
+// picks a block size itself (16 with a short window, 64 without) and gives
+// the reference's result over more than one block.
+TYPED_TEST(MhaTest, LongWindowIsPlainCausalAndAutomaticBlockRows) {
+  Shape s;
+  s.T = 9, s.causal = true, s.pad_rate = 0.2, s.block_rows = 4;
+  expect_long_window_is_plain_causal(make_problem<TypeParam>(s, 350), [](const auto& p) { return run(p); });
+  s.B = 1, s.T = 70, s.block_rows = 0, s.causal = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 360));
+  s.causal = true, s.window = 5, s.threads = 2, s.Hkv = 1;
+  expect_matches_reference(make_problem<TypeParam>(s, 361));
 }
 
 // ---------------------------------------------------------------------------
@@ -738,14 +878,38 @@ TEST_F(BadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
   EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
 }
 
-TEST_F(BadInput, ZeroBlockRows) {
-  opt.block_rows = 0;
-  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 1", "got 0");
+TEST_F(BadInput, NegativeBlockRows) {
+  opt.block_rows = -1;
+  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
 }
 
 TEST_F(BadInput, ZeroThreads) {
   opt.threads = 0;
   EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+}
+
+TEST_F(BadInput, NumKvHeadsNotDividingNumHeads) {
+  opt.num_kv_heads = 3;
+  EXPECT_SHAPE_ERROR(build(), "num_kv_heads", "expected a divisor of num_heads = 2", "got 3");
+  opt.num_kv_heads = -1;
+  EXPECT_SHAPE_ERROR(build(), "num_kv_heads", "expected >= 1 (or 0 for num_heads)", "got -1");
+}
+
+// num_kv_heads = 1 with K and V still holding H heads: the K rows are
+// checked against Hkv·Dk, and V rows against Hkv·Dv.
+TEST_F(BadInput, KeyValueRowsForNumHeadsInsteadOfNumKvHeads) {
+  opt.num_kv_heads = 1;
+  EXPECT_SHAPE_ERROR(build(), "k.weight", "expected [4, 12]", "got [8, 12]");
+  w.k.weight.conservativeResize(Dk, Dkv);
+  w.k.bias.conservativeResize(Dk);
+  EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [3, 12]", "got [6, 12]");
+}
+
+TEST_F(BadInput, WindowNeedsCausalAndIsNotNegative) {
+  opt.window = 2;
+  EXPECT_SHAPE_ERROR(build(), "window", "expected 0 unless causal (a window needs causal = true)", "got 2");
+  opt.causal = true, opt.window = -1;
+  EXPECT_SHAPE_ERROR(build(), "window", "expected >= 0", "got -1");
 }
 
 TEST_F(BadInput, NonFiniteScale) {
@@ -760,8 +924,8 @@ TEST_F(BadInput, SetOptionsValidates) {
   headmix::Mha<double> layer(w, opt);
   headmix::Workspace<double> ws;
   headmix::MhaOptions bad = opt;
-  bad.block_rows = 0;
-  EXPECT_SHAPE_ERROR(layer.set_options(bad), "block_rows", "expected >= 1", "got 0");
+  bad.block_rows = -1;
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "block_rows", "expected >= 0", "got -1");
   bad = opt;
   bad.threads = 0;
   EXPECT_SHAPE_ERROR(layer.set_options(bad), "threads", "expected >= 1", "got 0");

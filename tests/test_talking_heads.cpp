@@ -59,6 +59,7 @@ struct Shape {
   bool out_proj = true;
   bool causal = false;
   long offset = 0;
+  long window = 0;   // sliding window (with causal); 0 means none
   double pad_rate = 0;
   double scale = 0;  // 0: the default 1/sqrt(Dk)
   Index block_rows = 16;
@@ -73,8 +74,8 @@ std::string describe(const Shape& s) {
     << " H=" << s.H << " Hv=" << s.Hv << " Dk=" << s.Dk << " Dv=" << s.Dv
     << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " pre=" << s.pre << " post=" << s.post
     << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
-    << " offset=" << s.offset << " pad_rate=" << s.pad_rate << " scale=" << s.scale << " block_rows=" << s.block_rows
-    << " threads=" << s.threads;
+    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " scale=" << s.scale
+    << " block_rows=" << s.block_rows << " threads=" << s.threads;
   return o.str();
 }
 
@@ -108,6 +109,7 @@ struct Problem {
     o.value_heads = s.Hv;
     o.causal = s.causal;
     o.causal_offset = s.offset;
+    o.window = s.window;
     if (s.scale != 0) o.scale = s.scale;
     o.block_rows = s.block_rows;
     o.threads = s.threads;
@@ -128,6 +130,7 @@ struct Problem {
     ro.key_heads = s.Hk, ro.heads = s.H, ro.value_heads = s.Hv;
     ro.causal = s.causal;
     ro.causal_offset = s.offset;
+    ro.window = s.window;
     ro.scale = s.scale;
     const headmix_ref::RefThBatch q = to_ref_batch(xq, s.B);
     if (!s.cross) return headmix_ref::talking_heads_reference(rw, ro, q, nullptr, padding);
@@ -703,10 +706,32 @@ TYPED_TEST(TalkingHeadsTest, OptionsChangedBetweenCalls) {
   }
 }
 
+// Windows of 1, 3 and more than T over causal offsets, self and padded
+// cross (the test_util.hpp cases; padding is masked after the pre mix like
+// the window), each mix present or absent.
+TYPED_TEST(TalkingHeadsTest, SlidingWindowMatchesReference) {
+  for_each_window_case<Shape>(400, [](Shape s, unsigned seed) {
+    s.pre = seed % 4 != 1, s.post = seed % 4 != 2;
+    expect_matches_reference(make_problem<TypeParam>(s, seed));
+  });
+}
+
+// A window of at least T is plain causal, bit for bit; block_rows = 0
+// (automatic) gives the reference's result over more than one block.
+TYPED_TEST(TalkingHeadsTest, LongWindowIsPlainCausalAndAutomaticBlockRows) {
+  Shape s;
+  s.T = 9, s.causal = true, s.pad_rate = 0.2, s.block_rows = 4;
+  expect_long_window_is_plain_causal(make_problem<TypeParam>(s, 410), [](const auto& p) { return run(p); });
+  s.B = 1, s.T = 70, s.block_rows = 0, s.causal = false;
+  expect_matches_reference(make_problem<TypeParam>(s, 411));
+  s.causal = true, s.window = 5, s.threads = 2;
+  expect_matches_reference(make_problem<TypeParam>(s, 412));
+}
+
 // flops() equals the multiply-adds of the naive algorithm: the projections,
 // and per causally visible pair h_k·Dk + h·h_k (pre) + h_v·h (post) + h_v·Dv.
 TYPED_TEST(TalkingHeadsTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(8);
+  std::vector<Shape> shapes(10);
   shapes[0].T = 7, shapes[0].Hk = 3, shapes[0].H = 5, shapes[0].Hv = 4;
   shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].causal = true,
   shapes[1].out_proj = false;
@@ -718,6 +743,9 @@ TYPED_TEST(TalkingHeadsTest, FlopsEqualReferenceCount) {
   shapes[6].cross = true, shapes[6].T = 11, shapes[6].S = 4, shapes[6].causal = true, shapes[6].offset = 1,
   shapes[6].Hk = 1, shapes[6].H = 6, shapes[6].Hv = 2, shapes[6].pad_rate = 0.3;
   shapes[7].T = 9, shapes[7].Hk = 6, shapes[7].H = 2, shapes[7].Hv = 1, shapes[7].Dk = 2, shapes[7].Dv = 7;
+  shapes[8].T = 9, shapes[8].causal = true, shapes[8].window = 3;  // only the pairs inside the window
+  shapes[9].cross = true, shapes[9].T = 4, shapes[9].S = 12, shapes[9].causal = true, shapes[9].offset = 6,
+  shapes[9].window = 5, shapes[9].pad_rate = 0.3, shapes[9].post = false;
   for (std::size_t n = 0; n < shapes.size(); ++n) {
     const auto p = make_problem<TypeParam>(shapes[n], 60 + static_cast<unsigned>(n));
     SCOPED_TRACE(describe(p.s));
@@ -1088,14 +1116,21 @@ TEST_F(TalkingHeadsBadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
   EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
 }
 
-TEST_F(TalkingHeadsBadInput, ZeroBlockRows) {
-  opt.block_rows = 0;
-  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 1", "got 0");
+TEST_F(TalkingHeadsBadInput, NegativeBlockRows) {
+  opt.block_rows = -1;
+  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
 }
 
 TEST_F(TalkingHeadsBadInput, ZeroThreads) {
   opt.threads = 0;
   EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+}
+
+TEST_F(TalkingHeadsBadInput, WindowNeedsCausalAndIsNotNegative) {
+  opt.window = 2;
+  EXPECT_SHAPE_ERROR(build(), "window", "expected 0 unless causal (a window needs causal = true)", "got 2");
+  opt.causal = true, opt.window = -1;
+  EXPECT_SHAPE_ERROR(build(), "window", "expected >= 0", "got -1");
 }
 
 TEST_F(TalkingHeadsBadInput, NonFiniteScale) {
@@ -1109,8 +1144,8 @@ TEST_F(TalkingHeadsBadInput, SetOptionsValidates) {
   headmix::TalkingHeads<double> layer(w, opt);
   headmix::Workspace<double> ws;
   headmix::TalkingHeadsOptions bad = opt;
-  bad.block_rows = 0;
-  EXPECT_SHAPE_ERROR(layer.set_options(bad), "block_rows", "expected >= 1", "got 0");
+  bad.block_rows = -1;
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "block_rows", "expected >= 0", "got -1");
   bad = opt;
   bad.threads = 0;
   EXPECT_SHAPE_ERROR(layer.set_options(bad), "threads", "expected >= 1", "got 0");

@@ -388,6 +388,43 @@ inline ::testing::AssertionResult mentions(const std::string& message, const std
   return ::testing::AssertionSuccess() << message;
 }
 
+// ---------------------------------------------------------------------------
+// Sliding windows: the same cases for every dense variant. `Shape` and
+// `Problem` are the test file's own (fields T, S, Dkv, cross, causal,
+// offset, window, pad_rate, block_rows, threads; a Problem holds its Shape
+// as `s`).
+
+/// Windows 1, 3 and longer than T over causal offsets 0, 2 and -2, self
+/// and padded cross-attention, block_rows 2 or automatic (0), 1 or 3
+/// threads: `check(shape, seed)` for each, seeds counting up from `seed`.
+template <class Shape, class Check>
+void for_each_window_case(unsigned seed, Check check) {
+  for (long window : {1L, 3L, 20L})
+    for (long offset : {0L, 2L, -2L})
+      for (int cross = 0; cross < 2; ++cross, ++seed) {
+        Shape s;
+        s.T = 11, s.causal = true, s.window = window, s.offset = offset;
+        s.cross = cross == 1, s.S = 14, s.Dkv = 5, s.pad_rate = cross == 1 ? 0.3 : 0.0;
+        s.block_rows = seed % 2 == 0 ? 0 : 2, s.threads = seed % 3 == 0 ? 3 : 1;
+        check(s, seed);
+      }
+}
+
+/// A window of at least T (offset 0, self-attention) hides nothing that
+/// causal does not: `run(p)` (a result with `out` and `probs`) gives the
+/// same bits with a window of T, and of far more, as with none.
+template <class Problem, class Run>
+void expect_long_window_is_plain_causal(Problem p, Run run) {
+  p.s.window = 0;
+  const auto causal = run(p);
+  for (long window : {static_cast<long>(p.s.T), 1000L}) {
+    p.s.window = window;
+    const auto windowed = run(p);
+    EXPECT_TRUE(bit_identical("output", windowed.out, causal.out)) << "window " << window;
+    EXPECT_TRUE(bit_identical("probs", windowed.probs, causal.probs)) << "window " << window;
+  }
+}
+
 }  // namespace headmix_test
 
 // `call` throws headmix::shape_error whose message names the variant `tag`

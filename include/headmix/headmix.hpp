@@ -2,12 +2,15 @@
 #pragma once
 
 #include "headmix/core/attention_tensor.hpp"
+#include "headmix/core/dot_product.hpp"
 #include "headmix/core/error.hpp"
 #include "headmix/core/flops.hpp"
 #include "headmix/core/head_mix.hpp"
 #include "headmix/core/input.hpp"
+#include "headmix/core/layer_forms.hpp"
 #include "headmix/core/linear.hpp"
 #include "headmix/core/mask.hpp"
+#include "headmix/core/options.hpp"
 #include "headmix/core/parallel.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "headmix/core/sequence_cache.hpp"

@@ -14,9 +14,7 @@ CollabHead<T> load_collab_case(const io::TensorFile& f) {
   const auto config = case_config(f);
   CollabHeadOptions opt;
   opt.num_heads = config.at("num_heads").get<Index>();
-  opt.causal = config.value("causal", false);
-  if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
-  opt.block_rows = 4;
+  read_dense_options(config, opt);
   return CollabHead<T>::from_tensors(f, "", opt, config.value("layer_norm_eps", 1e-5));
 }
 

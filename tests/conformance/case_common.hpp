@@ -57,4 +57,24 @@ inline nlohmann::json case_config(const io::TensorFile& f) {
   return it == f.metadata.end() ? nlohmann::json::object() : nlohmann::json::parse(it->second);
 }
 
+/// The options every dense case shares, from its config: causal,
+/// causal_offset, window (absent or null: none) and scale (absent or null:
+/// the variant's default). block_rows 4, so that small cases run over
+/// several query blocks.
+inline void read_dense_options(const nlohmann::json& config, DenseOptions& opt) {
+  auto present = [&](const char* key) { return config.contains(key) && !config[key].is_null(); };
+  opt.causal = config.value("causal", false);
+  if (present("causal_offset")) opt.causal_offset = config["causal_offset"].get<Index>();
+  if (present("window")) opt.window = config["window"].get<Index>();
+  if (present("scale")) opt.scale = config["scale"].get<double>();
+  opt.block_rows = 4;
+}
+
+/// A case's `num_kv_heads`: 0 (the layer's default, one K/V head per head)
+/// when absent or null.
+inline Index read_kv_heads(const nlohmann::json& config) {
+  return config.contains("num_kv_heads") && !config["num_kv_heads"].is_null() ? config["num_kv_heads"].get<Index>()
+                                                                                : 0;
+}
+
 }  // namespace headmix::conformance

@@ -23,14 +23,12 @@ Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
   opt.query_wise = config.value("query_wise", true);
   opt.key_wise = config.value("key_wise", true);
   opt.static_w = config.value("static_w", false);
-  opt.causal = config.value("causal", false);
-  if (config.contains("window") && !config["window"].is_null()) opt.window = config["window"].get<Index>();
+  read_dense_options(config, opt);
+  opt.num_kv_heads = read_kv_heads(config);
   opt.dw_norm_eps = config.value("dw_norm_eps", 1e-6);
   const std::string gelu = config.value("dw_gelu", std::string("erf"));
   if (gelu != "erf" && gelu != "tanh") throw std::runtime_error("dcmha case: unknown dw_gelu '" + gelu + "'");
   opt.gelu = gelu == "erf" ? DcmhaGelu::erf : DcmhaGelu::tanh;
-  if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
-  opt.block_rows = 4;
   return Dcmha<T>::from_tensors(f, "", opt);
 }
 

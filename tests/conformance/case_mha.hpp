@@ -9,10 +9,9 @@ template <class T>
 CaseOutputs run_mha_case(const io::TensorFile& f) {
   const auto config = case_config(f);
   MhaOptions opt;
+  read_dense_options(config, opt);
   opt.num_heads = config.at("num_heads").get<Index>();
-  opt.causal = config.value("causal", false);
-  if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
-  opt.block_rows = 4;  // several blocks even on small cases, so block boundaries are exercised
+  opt.num_kv_heads = read_kv_heads(config);
   const auto layer = Mha<T>::from_tensors(f, "", opt);
 
   CaseInputs<T> inputs(f);

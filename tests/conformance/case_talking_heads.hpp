@@ -31,9 +31,8 @@ CaseOutputs run_talking_heads_case(const io::TensorFile& f) {
   opt.num_heads = config.value("heads_logits", config.at("num_heads").get<Index>());
   opt.key_heads = config.value("heads_key", opt.num_heads);
   opt.value_heads = config.value("heads_value", opt.num_heads);
-  opt.causal = config.value("causal", false);
-  if (config.contains("scale") && !config["scale"].is_null()) opt.scale = config["scale"].get<double>();
-  opt.block_rows = 4;  // several blocks even on small cases, so block boundaries are exercised
+  read_dense_options(config, opt);
+  opt.num_kv_heads = read_kv_heads(config);
   const auto layer = TalkingHeads<T>::from_tensors(f, "", opt);
 
   CaseInputs<T> inputs(f);

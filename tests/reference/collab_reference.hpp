@@ -5,7 +5,8 @@
 //
 //   Qs = Xq qᵀ [T, R],  Ks = Xk kᵀ [S, R],  cb = Xk content_biasᵀ [S, H]   (no biases)
 //   logit[b,h,i,j] = scale · (Σ_r Qs[i,r]·mixing[h,r]·Ks[j,r] + cb[j,h]),   scale default 1/sqrt(R/H)
-//   -inf if (causal and j > i + offset) or padded[b,j];  P = softmax_j (all-masked row: zeros)
+//   -inf if padded[b,j] or, with causal, unless j <= i + offset (and, with window > 0,
+//   j > i + offset - window);  P = softmax_j (all-masked row: zeros)
 //   V = Xk vᵀ + bv,  C_h = P_h V_h,  y = C oᵀ + bo (or C),  out = LayerNorm(Xq + y) (optional)
 //
 // Work counted (multiply-adds of dot products only; scale, softmax and
@@ -44,6 +45,7 @@ struct RefCollabWeights {
 struct RefCollabOptions {
   bool causal = false;
   long causal_offset = 0;
+  long window = 0;   // > 0 (with causal): also j > i + causal_offset - window
   double scale = 0;  // 0 means the default 1/sqrt(R/H)
 };
 
@@ -96,7 +98,9 @@ inline RefMhaResult collab_reference(const RefCollabWeights& w, const RefCollabO
         }
   const std::vector<double> V = detail::project(w.v, xk, res.projection_macs);  // [B, S, H*dv]
 
-  auto visible = [&](int i, int j) { return !opt.causal || j <= i + opt.causal_offset; };
+  auto visible = [&](int i, int j) {
+    return !opt.causal || (j <= i + opt.causal_offset && (opt.window <= 0 || j > i + opt.causal_offset - opt.window));
+  };
   res.probs.assign(static_cast<std::size_t>(B) * H * T * S, 0.0);
   RefBatch context{B, T, H * dv, std::vector<double>(static_cast<std::size_t>(B) * T * H * dv, 0.0)};
   std::vector<double> mixed(static_cast<std::size_t>(R)), logit(static_cast<std::size_t>(S));

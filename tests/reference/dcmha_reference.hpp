@@ -51,7 +51,8 @@ struct RefDcmhaOptions {
   bool query_wise = true, key_wise = true;
   bool static_w = false;
   bool causal = false;
-  int window = 0;  // > 0: t - s < window as well (needs causal)
+  long causal_offset = 0;  // with causal: query t sees keys s <= t + causal_offset
+  int window = 0;          // > 0: t + causal_offset - s < window as well (needs causal)
   double eps = 1e-6;
   bool gelu_tanh = false;  // false: exact erf GELU
   double scale = 0;        // 0: 1/sqrt(dk)
@@ -124,7 +125,7 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
 
   auto allowed = [&](int t, int s) {
     if (!opt.causal) return true;
-    return s <= t && (opt.window <= 0 || t - s < opt.window);
+    return s <= t + opt.causal_offset && (opt.window <= 0 || t + opt.causal_offset - s < opt.window);
   };
   // Which of the four slots are computed at all.
   bool used[4];

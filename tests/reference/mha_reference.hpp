@@ -4,7 +4,9 @@
 // it is deliberately slow and obvious rather than clever.
 //
 //   Q = Xq Wqᵀ + bq,  K = Xk Wkᵀ + bk,  V = Xk Wvᵀ + bv      (head h: columns h·Dk.., h·Dv..)
-//   logit[b,h,i,j] = scale · Q_h[i]·K_h[j],  -inf if (causal and j > i + offset) or padded[b,j]
+//   K and V have Hkv heads; query head h reads KV head g = h / (H / Hkv)
+//   logit[b,h,i,j] = scale · Q_h[i]·K_g[j],  -inf if padded[b,j] or, with causal, unless
+//                    j <= i + offset (and, with window > 0, j > i + offset - window)
 //   P = softmax_j(logit) (row max subtracted; a row with no visible key is all zeros)
 //   C_h = P_h V_h,  Y = concat_h(C_h) Woᵀ + bo   (no o: Y = concat_h(C_h))
 //
@@ -38,6 +40,8 @@ struct RefMhaOptions {
   int num_heads = 1;
   bool causal = false;
   long causal_offset = 0;   // query i sees keys j <= i + causal_offset
+  long window = 0;          // > 0 (with causal): also j > i + causal_offset - window
+  int num_kv_heads = 0;     // heads of K and V (w.k, w.v); 0 means num_heads
   double scale = 0;         // 0 means the default 1/sqrt(Dk)
 };
 
@@ -91,10 +95,12 @@ inline RefMhaResult mha_reference(const RefMhaWeights& w, const RefMhaOptions& o
                                   const RefBatch* key = nullptr, const std::vector<std::uint8_t>& padding = {}) {
   const RefBatch& xk = key ? *key : query;
   const int B = query.batch, T = query.length, S = xk.length, H = opt.num_heads;
+  const int Hkv = opt.num_kv_heads > 0 ? opt.num_kv_heads : H;
   if (xk.batch != B) throw std::invalid_argument("mha_reference: key batch != query batch");
-  if (H < 1 || w.q.out % H != 0 || w.v.out % H != 0 || w.k.out != w.q.out)
+  if (H < 1 || H % Hkv != 0 || w.q.out % H != 0 || w.v.out % Hkv != 0 || w.k.out / Hkv != w.q.out / H ||
+      w.k.out % Hkv != 0)
     throw std::invalid_argument("mha_reference: head split does not fit the weights");
-  const int dk = w.q.out / H, dv = w.v.out / H;
+  const int dk = w.q.out / H, dv = w.v.out / Hkv, group = H / Hkv;
   const int out_dim = w.o.absent() ? H * dv : w.o.out;
   const double scale = opt.scale != 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(dk));
   const double neg_inf = -std::numeric_limits<double>::infinity();
@@ -102,12 +108,14 @@ inline RefMhaResult mha_reference(const RefMhaWeights& w, const RefMhaOptions& o
   RefMhaResult r;
   r.B = B, r.T = T, r.S = S, r.H = H, r.out_dim = out_dim;
   const std::vector<double> Q = detail::project(w.q, query, r.projection_macs);  // [B, T, H*dk]
-  const std::vector<double> K = detail::project(w.k, xk, r.projection_macs);     // [B, S, H*dk]
-  const std::vector<double> V = detail::project(w.v, xk, r.projection_macs);     // [B, S, H*dv]
+  const std::vector<double> K = detail::project(w.k, xk, r.projection_macs);     // [B, S, Hkv*dk]
+  const std::vector<double> V = detail::project(w.v, xk, r.projection_macs);     // [B, S, Hkv*dv]
   auto q_at = [&](int b, int i, int c) { return Q[(static_cast<std::size_t>(b) * T + i) * (H * dk) + c]; };
-  auto k_at = [&](int b, int j, int c) { return K[(static_cast<std::size_t>(b) * S + j) * (H * dk) + c]; };
-  auto v_at = [&](int b, int j, int c) { return V[(static_cast<std::size_t>(b) * S + j) * (H * dv) + c]; };
-  auto causally_visible = [&](int i, int j) { return !opt.causal || j <= i + opt.causal_offset; };
+  auto k_at = [&](int b, int j, int c) { return K[(static_cast<std::size_t>(b) * S + j) * (Hkv * dk) + c]; };
+  auto v_at = [&](int b, int j, int c) { return V[(static_cast<std::size_t>(b) * S + j) * (Hkv * dv) + c]; };
+  auto causally_visible = [&](int i, int j) {
+    return !opt.causal || (j <= i + opt.causal_offset && (opt.window <= 0 || j > i + opt.causal_offset - opt.window));
+  };
 
   r.probs.assign(static_cast<std::size_t>(B) * H * T * S, 0.0);
   RefBatch context{B, T, H * dv, std::vector<double>(static_cast<std::size_t>(B) * T * H * dv, 0.0)};
@@ -116,6 +124,7 @@ inline RefMhaResult mha_reference(const RefMhaWeights& w, const RefMhaOptions& o
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < T; ++i) {
+        const int g = h / group;  // the KV head this query head reads
         // Logits. Causally hidden pairs are never computed; padded ones are
         // computed and then masked (so padding does not change the work).
         for (int j = 0; j < S; ++j) {
@@ -123,7 +132,7 @@ inline RefMhaResult mha_reference(const RefMhaWeights& w, const RefMhaOptions& o
           if (!causally_visible(i, j)) continue;
           double dot = 0;
           for (int d = 0; d < dk; ++d) {
-            dot += q_at(b, i, h * dk + d) * k_at(b, j, h * dk + d);
+            dot += q_at(b, i, h * dk + d) * k_at(b, j, g * dk + d);
             ++r.attention_macs;
           }
           const bool padded = !padding.empty() && padding[static_cast<std::size_t>(b) * S + j] != 0;
@@ -147,7 +156,7 @@ inline RefMhaResult mha_reference(const RefMhaWeights& w, const RefMhaOptions& o
           double acc = 0;
           for (int j = 0; j < S; ++j) {
             if (!causally_visible(i, j)) continue;
-            acc += p[j] * v_at(b, j, h * dv + e);
+            acc += p[j] * v_at(b, j, g * dv + e);
             ++r.attention_macs;
           }
           context.data[(static_cast<std::size_t>(b) * T + i) * (H * dv) + h * dv + e] = acc;

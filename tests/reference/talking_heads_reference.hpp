@@ -6,7 +6,8 @@
 //   Q = Xq Wqᵀ + bq [.., hk·dk],  K = Xk Wkᵀ + bk [.., hk·dk],  V = Xk Wvᵀ + bv [.., hv·dv]
 //   J[a,i,j] = scale · Σ_d Q[i, a·dk + d] · K[j, a·dk + d]
 //   L[g,i,j] = Σ_a pre[g][a] · J[a,i,j]                    (no pre: L = J)
-//   L[g,i,j] = -inf if (causal and j > i + offset) or padded[b,j]      <- after the mix
+//   L[g,i,j] = -inf if padded[b,j] or, with causal, unless j <= i + offset      <- after the mix
+//              (and, with window > 0, j > i + offset - window)
 //   W[g,i,:] = softmax_j(L[g,i,:])  (row max subtracted; a row with no visible key is all zeros)
 //   U[c,i,j] = Σ_g post[c][g] · W[g,i,j]                   (no post: U = W), not renormalised
 //   O[i, c·dv + e] = Σ_j U[c,i,j] · V[j, c·dv + e],  Y = O Woᵀ + bo   (no o: Y = O)
@@ -53,6 +54,7 @@ struct RefThOptions {
   int key_heads = 1, heads = 1, value_heads = 1;  // hk, h, hv
   bool causal = false;
   long causal_offset = 0;  // query i sees keys j <= i + causal_offset
+  long window = 0;         // > 0 (with causal): also j > i + causal_offset - window
   double scale = 0;        // 0 means the default 1/sqrt(dk)
 };
 
@@ -125,7 +127,9 @@ inline RefThResult talking_heads_reference(const RefThWeights& w, const RefThOpt
   auto q_at = [&](int b, int i, int c) { return Q[(static_cast<std::size_t>(b) * T + i) * (hk * dk) + c]; };
   auto k_at = [&](int b, int j, int c) { return K[(static_cast<std::size_t>(b) * S + j) * (hk * dk) + c]; };
   auto v_at = [&](int b, int j, int c) { return V[(static_cast<std::size_t>(b) * S + j) * (hv * dv) + c]; };
-  auto visible = [&](int i, int j) { return !opt.causal || j <= i + opt.causal_offset; };
+  auto visible = [&](int i, int j) {
+    return !opt.causal || (j <= i + opt.causal_offset && (opt.window <= 0 || j > i + opt.causal_offset - opt.window));
+  };
   auto padded = [&](int b, int j) { return !padding.empty() && padding[static_cast<std::size_t>(b) * S + j] != 0; };
 
   r.probs.assign(static_cast<std::size_t>(B) * hv * T * S, 0.0);

@@ -4,21 +4,30 @@
 //
 // It walks (batch item, block of query rows) tasks, so scratch is
 // O(heads · block_rows · S) per worker, never O(heads · T · S). A variant is
-// a policy that fills in its own stages (see MhaPolicy in variants/mha.hpp):
+// a policy that fills in its own stages (see Mha::Policy in variants/mha.hpp,
+// the smallest; DotProductStages in core/dot_product.hpp provides score and
+// values for the variants whose scores are Q_a K_aᵀ):
 //
 //   Index score_heads(), softmax_heads(), value_heads(), value_dim();
-//   bool has_pre_mix(), has_post_mix();
 //   void score(b, head, Eigen::Map<Matrix<T>> out, first_query, first_key, Workspace<T>&, worker);
-//   void pre_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
-//   void post_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
 //   value block (b, head, first_key, count) -> [count, value_dim] matrix expression
 //
-// A mixing policy may instead fuse its pre mix, mask + softmax and post mix
-// into one stage that rewrites the scores tile in place (its buffer holds
-// max(score_heads, value_heads) planes) and returns the final weights:
+// A policy that mixes heads also declares which mixes a call runs, and
+// either both mixes as stages of their own:
+//
+//   bool has_pre_mix(), has_post_mix();
+//   void pre_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
+//   void post_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
+//
+// or one fused stage that rewrites the scores tile in place (its buffer
+// holds max(score_heads, value_heads) planes) and returns the final weights:
 //
 //   AttentionTensor<T> mix_softmax(b, const AttentionTensor<T>& scores, num_keys, const PositionMask&,
 //                                  const T* key_bias, Workspace<T>&, worker);
+//
+// A policy without has_pre_mix / has_post_mix has independent heads: the
+// pipeline finishes each head while its tile is in cache, and the mixing
+// paths are not compiled for it.
 //
 // Projections happen before the pipeline (as GEMMs over all B·T rows) and
 // the output projection after it.
@@ -41,8 +50,15 @@ struct fuses_mix_softmax : std::false_type {};
 template <class P>
 struct fuses_mix_softmax<P, std::void_t<decltype(&P::mix_softmax)>> : std::true_type {};
 
-/// Workspace slots. Shared slots below kVariantSlots belong to the
+/// Whether a policy mixes heads (declares has_pre_mix and has_post_mix).
+template <class P, class = void>
+struct mixes_heads : std::false_type {};
+template <class P>
+struct mixes_heads<P, std::void_t<decltype(&P::has_pre_mix), decltype(&P::has_post_mix)>> : std::true_type {};
+
+/// Workspace slots. Shared slots below slot::variant belong to the
 /// pipeline's callers (projections); variants number their own from there.
+/// Per-worker slots below slot::local_variant belong to the pipeline.
 namespace slot {
 enum : std::size_t { query = 0, key, value, context, variant = 8 };
 enum : std::size_t { tile_a = 0, tile_b, key_bias, local_variant = 8 };
@@ -78,7 +94,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
   const Index T_ = run.queries, S = run.keys, block = std::max<Index>(1, run.block_rows);
   const Index blocks = (T_ + block - 1) / block;
   const Index hv = policy.value_heads(), dv = policy.value_dim();
-  const bool mixes = policy.has_pre_mix() || policy.has_post_mix();
+  bool mixes = false;
+  if constexpr (mixes_heads<Policy>::value) mixes = policy.has_pre_mix() || policy.has_post_mix();
   const Index tile_heads = std::max({policy.score_heads(), policy.softmax_heads(), hv});
   MatrixMap<T> context(run.context, run.batch * T_, hv * dv);
   T* probs = nullptr;
@@ -125,28 +142,30 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       }
       return;
     }
-    T* buf_a = ws.local(w, slot::tile_a, tile_heads * rows * cols);
-    AttentionTensor<T> scores(buf_a, policy.score_heads(), rows, cols, q0, k0);
-    for (Index h = 0; h < scores.heads(); ++h)
-      if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);
-    if constexpr (fuses_mix_softmax<Policy>::value) {  // one pass over the tile, no second tile
-      const AttentionTensor<T> weights = policy.mix_softmax(b, scores, S, run.mask, bias, ws, w);
-      for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
-      return;
+    if constexpr (mixes_heads<Policy>::value) {
+      T* buf_a = ws.local(w, slot::tile_a, tile_heads * rows * cols);
+      AttentionTensor<T> scores(buf_a, policy.score_heads(), rows, cols, q0, k0);
+      for (Index h = 0; h < scores.heads(); ++h)
+        if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);
+      if constexpr (fuses_mix_softmax<Policy>::value) {  // one pass over the tile, no second tile
+        const AttentionTensor<T> weights = policy.mix_softmax(b, scores, S, run.mask, bias, ws, w);
+        for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
+      } else {
+        T* buf_b = ws.local(w, slot::tile_b, tile_heads * rows * cols);
+        AttentionTensor<T> logits = scores;
+        if (policy.has_pre_mix()) {
+          logits = scores.like(buf_b, policy.softmax_heads());
+          policy.pre_mix(b, scores, logits, ws, w);
+        }
+        masked_softmax(logits, S, run.mask, bias);
+        AttentionTensor<T> weights = logits;
+        if (policy.has_post_mix()) {
+          weights = logits.like(logits.data() == buf_a ? buf_b : buf_a, hv);
+          policy.post_mix(b, logits, weights, ws, w);
+        }
+        for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
+      }
     }
-    T* buf_b = ws.local(w, slot::tile_b, tile_heads * rows * cols);
-    AttentionTensor<T> logits = scores;
-    if (policy.has_pre_mix()) {
-      logits = scores.like(buf_b, policy.softmax_heads());
-      policy.pre_mix(b, scores, logits, ws, w);
-    }
-    masked_softmax(logits, S, run.mask, bias);
-    AttentionTensor<T> weights = logits;
-    if (policy.has_post_mix()) {
-      weights = logits.like(logits.data() == buf_a ? buf_b : buf_a, hv);
-      policy.post_mix(b, logits, weights, ws, w);
-    }
-    for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
   });
 }
 

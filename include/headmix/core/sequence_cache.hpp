@@ -49,6 +49,12 @@ class SequenceCache {
   Index batch() const { return batch_; }
   Index capacity() const { return capacity_; }
   Index size() const { return size_; }
+  /// Memory held by the streams (0 until a layer binds them).
+  std::size_t bytes() const {
+    std::size_t n = 0;
+    for (const auto& s : streams_) n += static_cast<std::size_t>(s.size()) * sizeof(T);
+    return n;
+  }
 
   /// The layer declares its streams; a cache set up for other widths, or for
   /// another layer, is an error naming both.

@@ -41,7 +41,7 @@ namespace headmix::decomp {
 template <class T>
 struct MhaToCollabResult {
   CollabHeadWeights<T> weights;
-  CollabHeadOptions options;        ///< the MHA's heads, masking, block size and threads; scale unset (see above)
+  CollabHeadOptions options;        ///< the MHA's heads and dense options (masking, window, block size, threads); scale unset (see above)
   bool exact = false;               ///< R == H·Dk: the copy path, no decomposition
   double relative_error = 0;        ///< ‖T − T̂‖_F / ‖T‖_F of the bilinear forms (0 when exact)
   Index iterations = 0;             ///< CP-ALS sweeps (0 when exact)
@@ -50,12 +50,37 @@ struct MhaToCollabResult {
   std::vector<double> error_history;  ///< CP-ALS relative error per sweep
 };
 
+/// `mha`'s weights with K and V repeated per query-head group (rows of KV
+/// head g copied to every query head of its group): the same layer as a
+/// standard MHA with num_kv_heads = num_heads.
+template <class T>
+MhaWeights<T> expand_kv_heads(const Mha<T>& mha) {
+  MhaWeights<T> w = mha.weights();
+  const Index H = mha.num_heads(), group = H / mha.num_kv_heads();
+  if (group == 1) return w;
+  auto repeat = [&](const Linear<T>& in, Index width) {
+    Linear<T> out;
+    out.weight.resize(H * width, in.weight.cols());
+    if (in.has_bias()) out.bias.resize(H * width);
+    for (Index h = 0; h < H; ++h) {
+      out.weight.middleRows(h * width, width) = in.weight.middleRows(h / group * width, width);
+      if (in.has_bias()) out.bias.segment(h * width, width) = in.bias.segment(h / group * width, width);
+    }
+    return out;
+  };
+  w.k = repeat(w.k, mha.head_dim());
+  w.v = repeat(w.v, mha.v_head_dim());
+  return w;
+}
+
 /// Convert `mha` to a CollabHead layer of shared width `shared_dim`
 /// (1 <= R <= H·Dk). `cp` controls the decomposition when R < H·Dk.
 template <class T>
 MhaToCollabResult<T> mha_to_collab(const Mha<T>& mha, Index shared_dim, const CpAlsOptions& cp = {}) {
   constexpr const char* kName = "mha_to_collab";
-  const MhaWeights<T>& w = mha.weights();
+  // CollabHead has one value head per query head: a grouped-query layer's
+  // K and V are first repeated per group, which is exact.
+  const MhaWeights<T> w = expand_kv_heads(mha);
   const Index H = mha.num_heads(), dk = mha.head_dim(), R = shared_dim, Dkv = mha.key_dim();
   if (R < 1 || R > H * dk)
     headmix::detail::throw_shape(kName, "shared_dim", "1 <= R <= num_heads * head_dim = " + std::to_string(H * dk),
@@ -96,12 +121,9 @@ MhaToCollabResult<T> mha_to_collab(const Mha<T>& mha, Index shared_dim, const Cp
   cw.v = w.v;
   cw.o = w.o;
 
-  const MhaOptions& mo = mha.options();
+  static_cast<DenseOptions&>(out.options) = mha.options();
+  out.options.scale.reset();  // folded into the mixing and content bias through c
   out.options.num_heads = H;
-  out.options.causal = mo.causal;
-  out.options.causal_offset = mo.causal_offset;
-  out.options.block_rows = mo.block_rows;
-  out.options.threads = mo.threads;
   return out;
 }
 

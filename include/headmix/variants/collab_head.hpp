@@ -45,8 +45,10 @@
 #include "headmix/core/error.hpp"
 #include "headmix/core/flops.hpp"
 #include "headmix/core/input.hpp"
+#include "headmix/core/layer_forms.hpp"
 #include "headmix/core/linear.hpp"
 #include "headmix/core/parallel.hpp"
+#include "headmix/core/options.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "headmix/core/sequence_cache.hpp"
 
@@ -59,13 +61,9 @@
 namespace headmix {
 
 /// As MhaOptions; `scale` defaults to 1/sqrt(shared_dim / num_heads).
-struct CollabHeadOptions {
+struct CollabHeadOptions : DenseOptions {
   Index num_heads = 1;
-  bool causal = false;
-  Index causal_offset = 0;       ///< see PositionMask: query i sees keys j <= i + causal_offset
-  std::optional<double> scale;   ///< default 1/sqrt(R / H), in double
-  Index block_rows = 64;         ///< query rows per pipeline task
-  int threads = 1;               ///< worker threads; results do not depend on it
+  // scale (DenseOptions) defaults to 1/sqrt(R / H), in double
 };
 
 /// out = (z − mean(z)) / sqrt(var(z) + eps) ⊙ weight + bias over the last
@@ -94,8 +92,10 @@ struct CollabHeadWeights {
 };
 
 template <class T>
-class CollabHead {
+class CollabHead : public LayerForms<CollabHead<T>, T> {
  public:
+  using LayerForms<CollabHead<T>, T>::forward;  // the allocating forms
+  using LayerForms<CollabHead<T>, T>::step;
   static constexpr const char* kName = "collab";
 
   CollabHead(CollabHeadWeights<T> weights, CollabHeadOptions options) : w_(std::move(weights)), opt_(options) {
@@ -182,8 +182,8 @@ class CollabHead {
     project_rows<T>(Unbiased{w_.k}, xk, k, opt_.threads);
     project_rows<T>(w_.v, xk, v, opt_.threads);
     project_content_bias(xk, cb);
-    reserve_scratch(ws, std::min(opt_.block_rows, T_), S);
-    attend(in.query, k, v, cb, S, S, mask(), in.key_padding, out, ws, probs);
+    reserve_scratch(ws, std::min(block_rows(S), T_), S);
+    attend(in.query, k, v, cb, S, S, opt_.mask(), in.key_padding, out, ws, probs);
   }
 
   /// Incremental decoding, with the contract of Mha::step. Attends n new
@@ -205,7 +205,7 @@ class CollabHead {
     check_output(kName, out, B, n, out_dim());
     cache.bind(kName, {shared_dim(), H * v_head_dim(), has_content_bias() ? H : 0});
     cache.check_room(kName, n);
-    reserve_scratch(ws, std::min(opt_.block_rows, n), cache.capacity());
+    reserve_scratch(ws, std::min(block_rows(cache.capacity()), n), cache.capacity());
     for (Index b = 0; b < B; ++b) {
       const auto xb = x.item(b);
       Unbiased{w_.k}.apply(xb, cache.stream(0, b).middleRows(past, n));
@@ -214,24 +214,10 @@ class CollabHead {
                                             cache.stream(2, b).cols()));
     }
     attend(x, cache.stream(0), cache.stream(1), cache.stream(2), past + n, cache.capacity(),
-           PositionMask{true, past, 0}, {}, out, ws, probs);
+           opt_.step_mask(past), {}, out, ws, probs);
     cache.advance(n);
   }
 
-  /// Allocating form: returns [B, T, out_dim].
-  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
-    forward(in, out.batch(), ws, probs);
-    return out;
-  }
-
-  /// Self-attention over one sequence [T, D] -> [T, out_dim].
-  Matrix<T> forward(const Matrix<T>& x) const {
-    Workspace<T> ws;
-    Matrix<T> y(x.rows(), out_dim());
-    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
-    return y;
-  }
 
   /// Multiply-adds of one call on B sequences of T queries and S keys.
   ///
@@ -260,7 +246,7 @@ class CollabHead {
     FlopCount f;
     f.projection_macs = B * (T_ * embed_dim() * R + S * key_dim() * (R + H * dv + (has_content_bias() ? H : 0)) +
                              (w_.o.empty() ? 0 : T_ * H * dv * out_dim()));
-    f.attention_macs = B * (T_ * W + mask().visible_pairs(T_, S) * (W + H * dv));
+    f.attention_macs = B * (T_ * W + opt_.mask().visible_pairs(T_, S) * (W + H * dv));
     return f;
   }
 
@@ -282,7 +268,7 @@ class CollabHead {
     project_rows<T>(Unbiased{w_.q}, x.rows(), q, opt_.threads);
     mix = scale() * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
 
-    const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs};
     run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run, ws);
 
     // With a LayerNorm, the pre-norm rows go to the Workspace: its buffers'
@@ -338,8 +324,6 @@ class CollabHead {
     Index softmax_heads() const { return H; }
     Index value_heads() const { return H; }
     Index value_dim() const { return dv; }
-    bool has_pre_mix() const { return false; }
-    bool has_post_mix() const { return false; }
 
     void score(Index b, Index h, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>& ws, int worker) const {
       const Index rows = out.rows(), cols = out.cols();
@@ -361,13 +345,10 @@ class CollabHead {
     auto values(Index b, Index h, Index k0, Index count) const {
       return v.block(b * key_stride + k0, h * dv, count, dv);
     }
-    template <class... A>
-    void pre_mix(A&&...) const {}
-    template <class... A>
-    void post_mix(A&&...) const {}
   };
 
-  PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
+  // Heads run one at a time, so one tile is resident per worker.
+  Index block_rows(Index keys) const { return opt_.rows_per_block(1, keys, sizeof(T)); }
 
   // out ← LayerNorm(xq + y), row by row (rows are independent, so any thread
   // split gives the same bits); y is scratch.
@@ -393,10 +374,7 @@ class CollabHead {
 
   static void validate(const CollabHeadWeights<T>& w, const CollabHeadOptions& opt) {
     check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
-    check_value(opt.block_rows >= 1, kName, "block_rows", ">= 1", opt.block_rows);
-    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
-    if (opt.scale && !std::isfinite(*opt.scale))
-      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt.scale));
+    opt.validate(kName);
     const Index H = opt.num_heads, R = w.q.rows(), D = w.q.cols(), Dkv = w.k.cols();
     if (R < 1 || D < 1)
       detail::throw_shape(kName, "q.weight", "[R >= 1, D >= 1]", detail::format_shape(shape_of(w.q)));

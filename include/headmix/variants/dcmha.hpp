@@ -30,11 +30,14 @@
 // so attention memory grows with block_rows · S, never T · S.
 #pragma once
 
+#include "headmix/core/dot_product.hpp"
 #include "headmix/core/error.hpp"
 #include "headmix/core/flops.hpp"
 #include "headmix/core/head_mix.hpp"
 #include "headmix/core/input.hpp"
+#include "headmix/core/layer_forms.hpp"
 #include "headmix/core/linear.hpp"
+#include "headmix/core/options.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "headmix/core/sequence_cache.hpp"
 
@@ -52,22 +55,18 @@ namespace headmix {
 /// or the tanh approximation (flax default, which the JAX training used).
 enum class DcmhaGelu { erf, tanh };
 
-struct DcmhaOptions {
+struct DcmhaOptions : DenseOptions {
   Index num_heads = 1;
   Index groups = 1;          ///< G: heads compose only within contiguous groups of M = H/G
+  Index num_kv_heads = 0;    ///< heads of K and V, a divisor of num_heads (grouped-query attention); 0 = num_heads
   Index rank = 2;            ///< R of each dynamic low-rank term (the reference hard-codes 2)
   bool use_pre = true;       ///< compose the scores before the softmax
   bool use_post = true;      ///< compose the weights after the softmax
   bool query_wise = true;    ///< the W1q/W2q/ddq terms, indexed by the query
   bool key_wise = true;      ///< the W1k/W2k/ddk terms, indexed by the key
   bool static_w = false;     ///< the static term P (dc.pre_w / dc.post_w); C then holds I + P
-  bool causal = false;
-  Index window = 0;          ///< > 0 (needs causal): query t sees keys t-window < s <= t
   double dw_norm_eps = 1e-6; ///< epsilon of the scale-free RMSNorm on W1
   DcmhaGelu gelu = DcmhaGelu::erf;
-  std::optional<double> scale;  ///< default 1/sqrt(head_dim)
-  Index block_rows = 0;      ///< query rows per pipeline task; 0 = pick from H and S
-  int threads = 1;           ///< worker threads; results do not depend on it
 };
 
 /// Parameters. q, k, v, o in PyTorch layout (o may be empty: the output is
@@ -105,8 +104,10 @@ inline Index dcmha_padded_stride(Index n) { return (n + 15) / 16 * 16 + 16; }
 }  // namespace detail
 
 template <class T>
-class Dcmha {
+class Dcmha : public LayerForms<Dcmha<T>, T> {
  public:
+  using LayerForms<Dcmha<T>, T>::forward;  // the allocating forms
+  using LayerForms<Dcmha<T>, T>::step;
   static constexpr const char* kName = "dcmha";
 
   Dcmha(DcmhaWeights<T> weights, DcmhaOptions options) : w_(std::move(weights)), opt_(options) {
@@ -159,9 +160,10 @@ class Dcmha {
   Index rank() const { return opt_.rank; }
   Index dw_hidden_dim() const { return w_.dw1.dim(3); }  ///< K
   Index head_dim() const { return w_.q.out_features() / opt_.num_heads; }
-  Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }
+  Index num_kv_heads() const { return kv_heads_of(opt_); }
+  Index v_head_dim() const { return w_.v.out_features() / num_kv_heads(); }
   Index embed_dim() const { return w_.q.in_features(); }
-  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  Index out_dim() const { return w_.o.empty() ? num_heads() * v_head_dim() : w_.o.out_features(); }
   T scale() const { return static_cast<T>(opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())))); }
   const DcmhaWeights<T>& weights() const { return w_; }
   const DcmhaOptions& options() const { return opt_; }
@@ -187,8 +189,8 @@ class Dcmha {
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
 
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
-    MatrixMap<T> k = ws.shared_matrix(slot::key, B * T_, H * dk);
-    MatrixMap<T> v = ws.shared_matrix(slot::value, B * T_, H * dv);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * T_, num_kv_heads() * dk);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * T_, num_kv_heads() * dv);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
     project_rows<T>(w_.q, in.query.rows(), q, opt_.threads);
     project_rows<T>(w_.k, in.query.rows(), k, opt_.threads);
@@ -211,26 +213,12 @@ class Dcmha {
     src.kf_batch_stride = factor_width() * src.kf_row_stride;
     dynamic_factors(in.query.rows(), T_, 0, src, ws);
 
-    const DenseRun<T> run{B, T_, T_, PositionMask{opt_.causal, 0, opt_.window}, in.key_padding,
+    const DenseRun<T> run{B, T_, T_, opt_.mask(), in.key_padding,
                           block_rows_for(T_), opt_.threads, ctx.data(), probs};
-    run_dense_pipeline(Policy{this, src, run.mask, T_}, run, ws);
+    run_dense_pipeline(Policy{stages(src), this, src, run.mask, T_}, run, ws);
     finish(ctx, out);
   }
 
-  /// Allocating form: returns [B, T, out_dim].
-  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
-    forward(in, out.batch(), ws, probs);
-    return out;
-  }
-
-  /// Self-attention over one sequence [T, D] -> [T, out_dim].
-  Matrix<T> forward(const Matrix<T>& x) const {
-    Workspace<T> ws;
-    Matrix<T> y(x.rows(), out_dim());
-    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
-    return y;
-  }
 
   /// Incremental decoding. Attends n new positions `x` [B, n, D] to every
   /// position in `cache` and to themselves, and appends what later
@@ -280,19 +268,13 @@ class Dcmha {
     dynamic_factors(x.rows(), n, past, src, ws);
 
     // Bottom-right: the last new position sees all.
-    const DenseRun<T> run{B, n, S, PositionMask{true, past, opt_.window}, {}, block_rows_for(S), opt_.threads,
+    const DenseRun<T> run{B, n, S, opt_.step_mask(past), {}, block_rows_for(S), opt_.threads,
                           ctx.data(), probs};
-    run_dense_pipeline(Policy{this, src, run.mask, S}, run, ws);
+    run_dense_pipeline(Policy{stages(src), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
     cache.advance(n);
   }
 
-  /// Allocating form of step(): returns [B, n, out_dim].
-  Tensor<T> step(ConstBatchView<T> x, SequenceCache<T>& cache, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    Tensor<T> out({x.batch(), x.length(), out_dim()});
-    step(x, cache, out.batch(), ws, probs);
-    return out;
-  }
 
   /// Multiply-adds of a call that adds T new positions to S - T cached ones
   /// (S = T: a forward), by kind.
@@ -300,10 +282,11 @@ class Dcmha {
     check_value(S >= T_, kName, "flops S", ">= T = " + std::to_string(T_), S);
     const Index D = embed_dim(), H = num_heads(), dk = head_dim(), dv = v_head_dim();
     const Index G = groups(), M = group_heads(), R = rank(), K = dw_hidden_dim();
-    const PositionMask mask{opt_.causal, opt_.causal ? S - T_ : 0, opt_.window};
+    const PositionMask mask = S > T_ ? opt_.step_mask(S - T_) : opt_.mask();
     const std::int64_t pairs = mask.visible_pairs(T_, S);
     DcmhaFlops f;
-    f.projection_macs = B * T_ * (D * H * (2 * dk + dv) + (w_.o.empty() ? 0 : H * dv * out_dim()));
+    f.projection_macs =
+        B * T_ * (D * (H * dk + num_kv_heads() * (dk + dv)) + (w_.o.empty() ? 0 : H * dv * out_dim()));
     f.dynamic_macs = B * T_ * G * static_cast<Index>(slots_.size()) * (D * K + 2 * R * M * K + R * M + D * M);
     f.score_macs = B * H * pairs * (dk + dv);
     std::int64_t per_pair = 0;  // per (t, s, group)
@@ -333,8 +316,16 @@ class Dcmha {
     Index qf_stride = 0, kf_batch_stride = 0, kf_row_stride = 0;
   };
 
-  // The pipeline stages of DCMHA.
-  struct Policy {
+  // Dot-product scores and readout over Q, K and V of `src`, with KV heads
+  // shared by contiguous groups of query heads.
+  DotProductStages<T> stages(const Sources& src) const {
+    const Index H = num_heads(), Hkv = num_kv_heads();
+    return {src.q, src.k, src.v, src.queries, src.kv_stride, H, Hkv, Hkv, head_dim(), v_head_dim(), H / Hkv, H / Hkv};
+  }
+
+  // The pipeline stages of DCMHA: dot-product scores and readout, and the
+  // two Compose stages as its mixes.
+  struct Policy : DotProductStages<T> {
     const Dcmha* layer;
     Sources src;
     PositionMask mask;
@@ -347,19 +338,6 @@ class Dcmha {
     bool has_pre_mix() const { return layer->opt_.use_pre; }
     bool has_post_mix() const { return layer->opt_.use_post; }
 
-    void score(Index b, Index h, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
-      const Index H = layer->num_heads(), dk = layer->head_dim();
-      const ConstStridedMap<T> q(src.q + (b * src.queries + q0) * H * dk + h * dk, out.rows(), dk,
-                                 Eigen::OuterStride<>(H * dk));
-      const ConstStridedMap<T> k(src.k + (b * src.kv_stride + k0) * H * dk + h * dk, out.cols(), dk,
-                                 Eigen::OuterStride<>(H * dk));
-      out.noalias() = q * k.transpose();
-    }
-    ConstStridedMap<T> values(Index b, Index h, Index k0, Index count) const {
-      const Index H = layer->num_heads(), dv = layer->v_head_dim();
-      return ConstStridedMap<T>(src.v + (b * src.kv_stride + k0) * H * dv + h * dv, count, dv,
-                                Eigen::OuterStride<>(H * dv));
-    }
     void pre_mix(Index b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>& ws,
                  int w) const {
       layer->compose(0, *this, b, in, out, ws, w);
@@ -398,23 +376,14 @@ class Dcmha {
     return (factor_width() * detail::dcmha_padded_stride(capacity) + capacity - 1) / capacity;
   }
   Shape cache_widths(Index capacity) const {
-    return {num_heads() * head_dim(), num_heads() * v_head_dim(),
+    return {num_kv_heads() * head_dim(), num_kv_heads() * v_head_dim(),
             needs_key_factors(0) ? factor_stream_width(capacity) : 0,
             needs_key_factors(1) ? factor_stream_width(capacity) : 0};
   }
 
-  // Query rows per pipeline task. The score and readout GEMMs want many rows
-  // (below ~16 their packing dominates), the all-heads tiles [H, rows, S]
-  // want few: 64 rows, fewer once a tile passes 8 MiB. A block computes the
-  // keys of its whole window range, rows + W - 1 of them, so with a window
-  // the block is no taller than max(W, 16): cost O(T · max(W, 16)).
-  Index block_rows_for(Index S) const {
-    if (opt_.block_rows > 0) return opt_.block_rows;
-    const Index cap = opt_.window > 0 ? std::clamp<Index>(opt_.window, 16, 64) : 64;
-    if (!has_mix()) return cap;  // heads run one at a time, as in MHA
-    const Index budget = (Index(8) << 20) / static_cast<Index>(sizeof(T));  // elements in 8 MiB
-    return std::clamp<Index>(budget / std::max<Index>(1, num_heads() * S), 16, cap);
-  }
+  // With a Compose, all H planes of a block are resident; without one,
+  // heads run one at a time, as in MHA.
+  Index block_rows_for(Index S) const { return opt_.rows_per_block(has_mix() ? num_heads() : 1, S, sizeof(T)); }
 
   void finish(const MatrixMap<T>& ctx, BatchView<T> out) const {
     if (w_.o.empty())
@@ -700,35 +669,33 @@ class Dcmha {
     }
   }
 
+  static Index kv_heads_of(const DcmhaOptions& o) { return o.num_kv_heads > 0 ? o.num_kv_heads : o.num_heads; }
+
   void validate(const DcmhaOptions& o) const {
     check_value(o.num_heads >= 1, kName, "num_heads", ">= 1", o.num_heads);
     check_value(o.groups >= 1, kName, "groups", ">= 1", o.groups);
     check_value(o.num_heads % o.groups == 0, kName, "groups",
                 "a divisor of num_heads = " + std::to_string(o.num_heads), o.groups);
     check_value(o.rank >= 1, kName, "rank", ">= 1", o.rank);
-    check_value(o.block_rows >= 0, kName, "block_rows", ">= 0 (0 = automatic)", o.block_rows);
-    check_value(o.threads >= 1, kName, "threads", ">= 1", o.threads);
-    check_value(o.window >= 0, kName, "window", ">= 0", o.window);
-    check_value(o.window == 0 || o.causal, kName, "window", "0 unless causal (a window needs causal = true)",
-                o.window);
+    o.validate(kName);
     if (!(std::isfinite(o.dw_norm_eps) && o.dw_norm_eps > 0))
       detail::throw_shape(kName, "dw_norm_eps", "a finite number > 0", std::to_string(o.dw_norm_eps));
-    if (o.scale && !std::isfinite(*o.scale))
-      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*o.scale));
 
-    const Index H = o.num_heads, G = o.groups, M = H / G, R = o.rank;
+    check_value(o.num_kv_heads >= 0, kName, "num_kv_heads", ">= 1 (or 0 for num_heads)", o.num_kv_heads);
+    const Index H = o.num_heads, G = o.groups, M = H / G, R = o.rank, Hkv = kv_heads_of(o);
+    check_value(H % Hkv == 0, kName, "num_kv_heads", "a divisor of num_heads = " + std::to_string(H), Hkv);
     const Index hdk = w_.q.out_features(), hdv = w_.v.out_features(), D = w_.q.in_features();
     if (hdk == 0 || hdk % H != 0)
       detail::throw_shape(kName, "q.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),
                           detail::format_shape(shape_of(w_.q.weight)));
     check_value(D >= 1, kName, "q.weight columns (D)", ">= 1", D);
     w_.q.check(kName, "q", hdk, D);
-    w_.k.check(kName, "k", hdk, D);
-    if (hdv == 0 || hdv % H != 0)
-      detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, D] with num_heads = " + std::to_string(H),
+    w_.k.check(kName, "k", hdk / H * Hkv, D);
+    if (hdv == 0 || hdv % Hkv != 0)
+      detail::throw_shape(kName, "v.weight", detail::heads_times("v_head_dim, D", o.num_kv_heads, H),
                           detail::format_shape(shape_of(w_.v.weight)));
     w_.v.check(kName, "v", hdv, D);
-    w_.o.check_optional(kName, "o", hdv);
+    w_.o.check_optional(kName, "o", hdv / Hkv * H);
 
     const auto& dw1 = w_.dw1.shape();
     if (dw1.size() != 4 || dw1[3] < 1)

@@ -55,6 +55,7 @@
 #include "headmix/core/error.hpp"
 #include "headmix/core/flops.hpp"
 #include "headmix/core/input.hpp"
+#include "headmix/core/layer_forms.hpp"
 #include "headmix/core/linear.hpp"
 #include "headmix/core/parallel.hpp"
 #include "headmix/core/pipeline.hpp"
@@ -91,8 +92,9 @@ struct LshWeights {
 };
 
 template <class T>
-class Lsh {
+class Lsh : public LayerForms<Lsh<T>, T> {
  public:
+  using LayerForms<Lsh<T>, T>::forward;  // the allocating forms
   static constexpr const char* kName = "lsh";
 
   Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) { validate(opt_); }
@@ -180,20 +182,6 @@ class Lsh {
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
   }
 
-  /// Allocating form: returns [B, T, out_dim].
-  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
-    forward(in, out.batch(), ws, probs);
-    return out;
-  }
-
-  /// Self-attention over one sequence [T, D] -> [T, out_dim].
-  Matrix<T> forward(const Matrix<T>& x) const {
-    Workspace<T> ws;
-    Matrix<T> y(x.rows(), out_dim());
-    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
-    return y;
-  }
 
   /// The bucket of every position in every round, [B, H, NH, Tp], in
   /// [0, NB) before the round offset, autopad positions included: what

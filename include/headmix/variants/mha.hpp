@@ -2,20 +2,27 @@
 // torch.nn.MultiheadAttention:
 //
 //   Q = Xq Wqᵀ + bq,  K = Xk Wkᵀ + bk,  V = Xk Wvᵀ + bv     (head h: columns h·Dk.., h·Dv..)
-//   P_h = softmax(scale · Q_h K_hᵀ + mask),  C_h = P_h V_h,  Y = concat_h(C_h) Woᵀ + bo
+//   P_h = softmax(scale · Q_h K_g(h)ᵀ + mask),  C_h = P_h V_g(h),  Y = concat_h(C_h) Woᵀ + bo
 //
-// Dk and Dv are independent of D / H; out_dim need not equal D.
+// Grouped-query attention: K and V have Hkv = num_kv_heads heads (a divisor
+// of H) and query head h reads KV head g(h) = h / (H / Hkv), contiguous
+// groups as in Hugging Face's repeat_kv and PyTorch's enable_gqa. Hkv = H
+// is standard MHA, Hkv = 1 multi-query attention. Dk and Dv are independent
+// of D / H; out_dim need not equal D.
 //
 // Memory: besides the caller's output, a call keeps in its Workspace
-//   Q [B·T, H·Dk] + K [B·S, H·Dk] + V [B·S, H·Dv] + context [B·T, H·Dv]
+//   Q [B·T, H·Dk] + K [B·S, Hkv·Dk] + V [B·S, Hkv·Dv] + context [B·T, H·Dv]
 //   + per worker thread: block_rows · S (one head's tile) + S (padding bias)
 // values, so attention memory grows with block_rows · S, never H · T · S.
 #pragma once
 
+#include "headmix/core/dot_product.hpp"
 #include "headmix/core/error.hpp"
 #include "headmix/core/flops.hpp"
 #include "headmix/core/input.hpp"
+#include "headmix/core/layer_forms.hpp"
 #include "headmix/core/linear.hpp"
+#include "headmix/core/options.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "headmix/core/sequence_cache.hpp"
 
@@ -24,13 +31,9 @@
 
 namespace headmix {
 
-struct MhaOptions {
+struct MhaOptions : DenseOptions {
   Index num_heads = 1;
-  bool causal = false;
-  Index causal_offset = 0;       ///< see PositionMask: query i sees keys j <= i + causal_offset
-  std::optional<double> scale;   ///< default 1/sqrt(head_dim)
-  Index block_rows = 64;         ///< query rows per pipeline task
-  int threads = 1;               ///< worker threads; results do not depend on it
+  Index num_kv_heads = 0;  ///< heads of K and V, a divisor of num_heads; 0 = num_heads
 };
 
 /// Parameters in PyTorch layout. `o` may be empty: the output is then the
@@ -38,14 +41,16 @@ struct MhaOptions {
 template <class T>
 struct MhaWeights {
   Linear<T> q;  ///< [H·Dk, D]
-  Linear<T> k;  ///< [H·Dk, Dkv]
-  Linear<T> v;  ///< [H·Dv, Dkv]
+  Linear<T> k;  ///< [Hkv·Dk, Dkv]
+  Linear<T> v;  ///< [Hkv·Dv, Dkv]
   Linear<T> o;  ///< [out_dim, H·Dv], optional
 };
 
 template <class T>
-class Mha {
+class Mha : public LayerForms<Mha<T>, T> {
  public:
+  using LayerForms<Mha<T>, T>::forward;  // the allocating forms
+  using LayerForms<Mha<T>, T>::step;
   static constexpr const char* kName = "mha";
 
   Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) { validate(w_, opt_); }
@@ -65,11 +70,12 @@ class Mha {
   }
 
   Index num_heads() const { return opt_.num_heads; }
+  Index num_kv_heads() const { return kv_heads_of(opt_); }
   Index head_dim() const { return w_.q.out_features() / opt_.num_heads; }
-  Index v_head_dim() const { return w_.v.out_features() / opt_.num_heads; }
+  Index v_head_dim() const { return w_.v.out_features() / num_kv_heads(); }
   Index embed_dim() const { return w_.q.in_features(); }
   Index key_dim() const { return w_.k.in_features(); }
-  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  Index out_dim() const { return w_.o.empty() ? num_heads() * v_head_dim() : w_.o.out_features(); }
   T scale() const { return static_cast<T>(opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())))); }
   const MhaWeights<T>& weights() const { return w_; }
   const MhaOptions& options() const { return opt_; }
@@ -86,61 +92,48 @@ class Mha {
     check_input(kName, in, embed_dim(), key_dim());
     const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
     check_output(kName, out, B, T_, out_dim());
-    const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
+    const Index Hkv = num_kv_heads(), dk = head_dim(), dv = v_head_dim();
 
-    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, H * dk);
-    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, H * dv);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, Hkv * dk);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, Hkv * dv);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    attend(in.query, k, v, S, S, mask(), in.key_padding, out, ws, probs);
+    attend(in.query, k, v, S, S, opt_.mask(), in.key_padding, out, ws, probs);
   }
 
   /// Incremental decoding. Attends n new positions `x` [B, n, D] to every
   /// position in `cache` and to themselves, and appends their keys and
-  /// values to the cache. Alignment is bottom-right causal whatever
-  /// options().causal says: new position k sees cached positions
-  /// 0 … size + k. `out` must be [B, n, out_dim]. Self-attention layers only
+  /// values (the Hkv KV heads only) to the cache. Alignment is bottom-right
+  /// causal whatever options().causal says: new position k sees cached
+  /// positions 0 … size + k (the last `window` of them with a window). `out` must be [B, n, out_dim]. Self-attention layers only
   /// (key width == D). Allocates nothing once `ws` and `cache` are sized;
   /// throws cache_full_error (and changes nothing) when n positions do not fit.
   void step(ConstBatchView<T> x, SequenceCache<T>& cache, BatchView<T> out, Workspace<T>& ws,
             Tensor<T>* probs = nullptr) const {
     check_input(kName, AttentionInput<T>{x, {}, {}}, embed_dim(), key_dim());
-    const Index B = x.batch(), n = x.length(), H = num_heads(), past = cache.size();
+    const Index B = x.batch(), n = x.length(), Hkv = num_kv_heads(), past = cache.size();
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
-    cache.bind(kName, {H * head_dim(), H * v_head_dim()});
+    cache.bind(kName, {Hkv * head_dim(), Hkv * v_head_dim()});
     cache.check_room(kName, n);
-    reserve_dense_tiles(ws, opt_.threads, H, false, std::min(n, opt_.block_rows), cache.capacity());
+    reserve_dense_tiles(ws, opt_.threads, num_heads(), false, std::min(n, block_rows(cache.capacity())),
+                        cache.capacity());
     for (Index b = 0; b < B; ++b) {
       w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
       w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
     }
-    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), PositionMask{true, past, 0}, {}, out,
-           ws, probs);
+    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws,
+           probs);
     cache.advance(n);
-  }
-  /// Allocating form: returns [B, T, out_dim].
-  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
-    forward(in, out.batch(), ws, probs);
-    return out;
-  }
-
-  /// Self-attention over one sequence [T, D] -> [T, out_dim].
-  Matrix<T> forward(const Matrix<T>& x) const {
-    Workspace<T> ws;
-    Matrix<T> y(x.rows(), out_dim());
-    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
-    return y;
   }
 
   /// Multiply-adds of one call on B sequences of T queries and S keys.
   FlopCount flops(Index B, Index T_, Index S) const {
-    const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
+    const Index H = num_heads(), Hkv = num_kv_heads(), dk = head_dim(), dv = v_head_dim();
     FlopCount f;
-    f.projection_macs = B * (T_ * embed_dim() * H * dk + S * key_dim() * H * (dk + dv) +
+    f.projection_macs = B * (T_ * embed_dim() * H * dk + S * key_dim() * Hkv * (dk + dv) +
                              (w_.o.empty() ? 0 : T_ * H * dv * out_dim()));
-    f.attention_macs = B * H * mask().visible_pairs(T_, S) * (dk + dv);
+    f.attention_macs = B * H * opt_.mask().visible_pairs(T_, S) * (dk + dv);
     return f;
   }
 
@@ -155,8 +148,10 @@ class Mha {
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();  // fold the scale into Q once instead of into every score
 
-    const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
-    run_dense_pipeline(Policy{q, k, v, T_, key_stride, H, dk, dv}, run, ws);
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs};
+    const Index Hkv = num_kv_heads();
+    run_dense_pipeline(Policy{{q.data(), k.data(), v.data(), T_, key_stride, H, Hkv, Hkv, dk, dv, H / Hkv, H / Hkv}},
+                       run, ws);
 
     if (w_.o.empty())
       out.rows() = ctx;
@@ -164,54 +159,42 @@ class Mha {
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
   }
 
-  // The score and readout stages of MHA; no mixing stages.
-  struct Policy {
-    MatrixMap<T> q, k, v;
-    Index T_, key_stride, H, dk, dv;
-
-    Index score_heads() const { return H; }
-    Index softmax_heads() const { return H; }
-    Index value_heads() const { return H; }
-    Index value_dim() const { return dv; }
-    bool has_pre_mix() const { return false; }
-    bool has_post_mix() const { return false; }
-
-    void score(Index b, Index h, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
-      const Index rows = out.rows(), cols = out.cols();
-      out.noalias() =
-          q.block(b * T_ + q0, h * dk, rows, dk) * k.block(b * key_stride + k0, h * dk, cols, dk).transpose();
-    }
-    auto values(Index b, Index h, Index k0, Index count) const {
-      return v.block(b * key_stride + k0, h * dv, count, dv);
-    }
-    template <class... A>
-    void pre_mix(A&&...) const {}
-    template <class... A>
-    void post_mix(A&&...) const {}
+  // Dot-product scores and readout over H heads, no mixing: the pipeline
+  // runs each head on its own.
+  struct Policy : DotProductStages<T> {
+    Index score_heads() const { return this->q_heads; }
+    Index softmax_heads() const { return this->q_heads; }
+    Index value_heads() const { return this->q_heads; }
+    Index value_dim() const { return this->dv; }
   };
 
-  PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
+  // Heads run one at a time, so one tile is resident per worker.
+  Index block_rows(Index keys) const { return opt_.rows_per_block(1, keys, sizeof(T)); }
+
+  static Index kv_heads_of(const MhaOptions& o) { return o.num_kv_heads > 0 ? o.num_kv_heads : o.num_heads; }
 
   static void validate(const MhaWeights<T>& w, const MhaOptions& opt) {
+    opt.validate(kName);
     check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
-    check_value(opt.block_rows >= 1, kName, "block_rows", ">= 1", opt.block_rows);
-    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
-    if (opt.scale && !std::isfinite(*opt.scale))
-      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt.scale));
-    const Index H = opt.num_heads, D = w.q.in_features(), Dkv = w.k.in_features();
+    check_value(opt.num_kv_heads >= 0, kName, "num_kv_heads", ">= 1 (or 0 for num_heads)", opt.num_kv_heads);
+    const Index H = opt.num_heads, Hkv = kv_heads_of(opt), D = w.q.in_features(), Dkv = w.k.in_features();
+    check_value(H % Hkv == 0, kName, "num_kv_heads", "a divisor of num_heads = " + std::to_string(H), Hkv);
     const Index hdk = w.q.out_features(), hdv = w.v.out_features();
     if (hdk == 0 || hdk % H != 0)
       detail::throw_shape(kName, "q.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),
                           detail::format_shape(shape_of(w.q.weight)));
-    if (hdv == 0 || hdv % H != 0)
-      detail::throw_shape(kName, "v.weight", "[num_heads * v_head_dim, Dkv] with num_heads = " + std::to_string(H),
+    if (hdv == 0 || hdv % Hkv != 0)
+      detail::throw_shape(kName, "v.weight", detail::heads_times("v_head_dim, Dkv", opt.num_kv_heads, H),
                           detail::format_shape(shape_of(w.v.weight)));
     check_value(D >= 1, kName, "q.weight columns (D)", ">= 1", D);
     w.q.check(kName, "q", hdk, D);
     check_value(Dkv >= 1, kName, "k.weight columns (Dkv)", ">= 1", Dkv);
-    w.k.check(kName, "k", hdk, Dkv);
-    w.v.check(kName, "v", hdv, Dkv);
-    w.o.check_optional(kName, "o", hdv);
+    w.k.check(kName, "k", hdk / H * Hkv, Dkv);
+    // With grouped V and an `o`, o's width H·Dv fixes Dv: a V still stored
+    // for every head is then named as the wrong tensor, not o.
+    const bool o_fixes_dv = Hkv != H && !w.o.empty() && w.o.in_features() % H == 0;
+    w.v.check(kName, "v", o_fixes_dv ? w.o.in_features() / H * Hkv : hdv, Dkv);
+    w.o.check_optional(kName, "o", hdv / Hkv * H);
   }
 
   MhaWeights<T> w_;

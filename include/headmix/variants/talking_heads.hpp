@@ -24,22 +24,30 @@
 // run while that chunk is in cache, and U overwrites J in place. The
 // readout is then one GEMM per value head, as in MHA.
 //
+// Grouped-query attention (num_kv_heads): K and V store fewer heads, each
+// read by a contiguous group of score (value) heads; below, K_a and V_c
+// then stand for the stored head of a's (c's) group.
+//
 // Decoding: step() appends new positions to a SequenceCache holding each
-// position's per-head K [h_k·Dk] and V [h_v·Dv], and runs the same pipeline
+// position's stored K and V heads, and runs the same pipeline
 // over the cached rows with a bottom-right causal mask. Nothing else is
 // cached: the mixes act on each (query, key) entry on its own.
 //
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q [B·T, h_k·Dk] + K [B·S, h_k·Dk] + V [B·S, h_v·Dv] + context [B·T, h_v·Dv]
+//   (K and V with num_kv_heads heads instead, when set)
 //   + per worker thread: max(h_k, h, h_v) · block_rows · S (the tile)
 //     + h · max(S, ~64 KiB worth) (a chunk of logits) + S (padding bias) values.
 #pragma once
 
+#include "headmix/core/dot_product.hpp"
 #include "headmix/core/error.hpp"
 #include "headmix/core/flops.hpp"
 #include "headmix/core/head_mix.hpp"
 #include "headmix/core/input.hpp"
+#include "headmix/core/layer_forms.hpp"
 #include "headmix/core/linear.hpp"
+#include "headmix/core/options.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "headmix/core/sequence_cache.hpp"
 
@@ -50,15 +58,15 @@
 
 namespace headmix {
 
-struct TalkingHeadsOptions {
+struct TalkingHeadsOptions : DenseOptions {
   Index num_heads = 1;           ///< h, the logit (softmax) heads
   Index key_heads = 0;           ///< h_k, the heads of Q and K; 0 means num_heads
   Index value_heads = 0;         ///< h_v, the heads of V and of the output; 0 means num_heads
-  bool causal = false;
-  Index causal_offset = 0;       ///< see PositionMask: query i sees keys j <= i + causal_offset
-  std::optional<double> scale;   ///< default 1/sqrt(head_dim)
-  Index block_rows = 64;         ///< query rows per pipeline task
-  int threads = 1;               ///< worker threads; results do not depend on it
+  /// Grouped-query attention: K and V store this many heads (a divisor of
+  /// h_k and of h_v); score head a reads K head a / (h_k / num_kv_heads),
+  /// value head c reads V head c / (h_v / num_kv_heads). 0: K has h_k heads
+  /// and V h_v.
+  Index num_kv_heads = 0;
 };
 
 /// Parameters in PyTorch layout. `o` may be empty: the output is then the
@@ -75,8 +83,10 @@ struct TalkingHeadsWeights {
 };
 
 template <class T>
-class TalkingHeads {
+class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
  public:
+  using LayerForms<TalkingHeads<T>, T>::forward;  // the allocating forms
+  using LayerForms<TalkingHeads<T>, T>::step;
   static constexpr const char* kName = "talking_heads";
 
   TalkingHeads(TalkingHeadsWeights<T> weights, TalkingHeadsOptions options)
@@ -114,11 +124,13 @@ class TalkingHeads {
   Index num_heads() const { return opt_.num_heads; }
   Index key_heads() const { return key_heads_of(opt_); }
   Index value_heads() const { return value_heads_of(opt_); }
+  Index stored_key_heads() const { return stored_key_heads_of(opt_); }      ///< heads in K
+  Index stored_value_heads() const { return stored_value_heads_of(opt_); }  ///< heads in V
   Index head_dim() const { return w_.q.out_features() / key_heads(); }
-  Index v_head_dim() const { return w_.v.out_features() / value_heads(); }
+  Index v_head_dim() const { return w_.v.out_features() / stored_value_heads(); }
   Index embed_dim() const { return w_.q.in_features(); }
   Index key_dim() const { return w_.k.in_features(); }
-  Index out_dim() const { return w_.o.empty() ? w_.v.out_features() : w_.o.out_features(); }
+  Index out_dim() const { return w_.o.empty() ? value_heads() * v_head_dim() : w_.o.out_features(); }
   bool has_pre_mix() const { return present(w_.pre_softmax); }
   bool has_post_mix() const { return present(w_.post_softmax); }
   T scale() const { return static_cast<T>(opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())))); }
@@ -140,11 +152,11 @@ class TalkingHeads {
     check_output(kName, out, B, T_, out_dim());
     const Index hk = key_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
 
-    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, hk * dk);
-    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, hv * dv);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, stored_key_heads() * dk);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, stored_value_heads() * dv);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    attend(in.query, k, v, S, S, mask(), in.key_padding, out, ws, probs);
+    attend(in.query, k, v, S, S, opt_.mask(), in.key_padding, out, ws, probs);
   }
 
   /// Incremental decoding, with the contract of Mha::step. Attends n new
@@ -164,32 +176,18 @@ class TalkingHeads {
     const Index B = x.batch(), n = x.length(), past = cache.size();
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
-    cache.bind(kName, {key_heads() * head_dim(), value_heads() * v_head_dim()});
+    cache.bind(kName, {stored_key_heads() * head_dim(), stored_value_heads() * v_head_dim()});
     cache.check_room(kName, n);
-    reserve_step_scratch(ws, std::min(n, opt_.block_rows), cache.capacity());
+    reserve_step_scratch(ws, std::min(n, block_rows(cache.capacity())), cache.capacity());
     for (Index b = 0; b < B; ++b) {
       w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
       w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
     }
-    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), PositionMask{true, past, 0}, {}, out,
-           ws, probs);
+    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws,
+           probs);
     cache.advance(n);
   }
 
-  /// Allocating form: returns [B, T, out_dim].
-  Tensor<T> forward(const AttentionInput<T>& in, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    Tensor<T> out({in.query.batch(), in.query.length(), out_dim()});
-    forward(in, out.batch(), ws, probs);
-    return out;
-  }
-
-  /// Self-attention over one sequence [T, D] -> [T, out_dim].
-  Matrix<T> forward(const Matrix<T>& x) const {
-    Workspace<T> ws;
-    Matrix<T> y(x.rows(), out_dim());
-    forward(AttentionInput<T>{as_batch(x), {}, {}}, as_batch(y), ws);
-    return y;
-  }
 
   /// Multiply-adds of one call on B sequences of T queries and S keys. Per
   /// causally visible (query, key) pair: h_k·Dk for the scores, h·h_k for
@@ -197,10 +195,11 @@ class TalkingHeads {
   FlopCount flops(Index B, Index T_, Index S) const {
     const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
     FlopCount f;
-    f.projection_macs = B * (T_ * embed_dim() * hk * dk + S * key_dim() * (hk * dk + hv * dv) +
+    f.projection_macs = B * (T_ * embed_dim() * hk * dk +
+                             S * key_dim() * (stored_key_heads() * dk + stored_value_heads() * dv) +
                              (w_.o.empty() ? 0 : T_ * hv * dv * out_dim()));
     const Index per_pair = hk * dk + (has_pre_mix() ? h * hk : 0) + (has_post_mix() ? hv * h : 0) + hv * dv;
-    f.attention_macs = B * mask().visible_pairs(T_, S) * per_pair;
+    f.attention_macs = B * opt_.mask().visible_pairs(T_, S) * per_pair;
     return f;
   }
 
@@ -216,8 +215,10 @@ class TalkingHeads {
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();  // the mix is linear, so the scale may go on Q before it
 
-    const DenseRun<T> run{B, T_, S, mask, padding, opt_.block_rows, opt_.threads, ctx.data(), probs};
-    run_dense_pipeline(Policy{q, k, v, w_.pre_softmax, w_.post_softmax, T_, key_stride, hk, h, hv, dk, dv}, run, ws);
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs};
+    const Index sk = stored_key_heads(), sv = stored_value_heads();
+    const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
+    run_dense_pipeline(Policy{stages, w_.pre_softmax, w_.post_softmax, h, hv}, run, ws);
 
     if (w_.o.empty())
       out.rows() = ctx;
@@ -242,33 +243,20 @@ class TalkingHeads {
     }
   }
 
-  // MHA's score and readout stages with h_k and h_v heads, plus the two mixes.
-  // Batch item b's keys and values start at row b * key_stride of k and v.
-  struct Policy {
-    MatrixMap<T> q, k, v;
+  // Dot-product scores over h_k heads and readout over h_v, with the two
+  // mixes as one fused stage.
+  struct Policy : DotProductStages<T> {
     const Matrix<T>& pre;
     const Matrix<T>& post;
-    Index T_, key_stride, hk, h, hv, dk, dv;
+    Index h, hv;
 
-    Index score_heads() const { return hk; }
+    Index score_heads() const { return this->q_heads; }
     Index softmax_heads() const { return h; }
     Index value_heads() const { return hv; }
-    Index value_dim() const { return dv; }
+    Index value_dim() const { return this->dv; }
     bool has_pre_mix() const { return present(pre); }
     bool has_post_mix() const { return present(post); }
 
-    void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
-      const Index rows = out.rows(), cols = out.cols();
-      out.noalias() =
-          q.block(b * T_ + q0, a * dk, rows, dk) * k.block(b * key_stride + k0, a * dk, cols, dk).transpose();
-    }
-    // The pipeline runs the fused stage below; these are its unfused form.
-    void pre_mix(Index, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, int) const {
-      mix_heads(pre, in, out);
-    }
-    void post_mix(Index, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, int) const {
-      mix_heads(post, in, out);
-    }
     // Pre mix, mask + softmax and post mix a few rows at a time, in place.
     // A chunk's logits (h · rows · cols values) stay within ~kChunkBytes.
     AttentionTensor<T> mix_softmax(Index, const AttentionTensor<T>& scores, Index num_keys, const PositionMask& mask,
@@ -280,44 +268,56 @@ class TalkingHeads {
       return mix_softmax_mix(has_pre_mix() ? &pre : nullptr, has_post_mix() ? &post : nullptr, scores, num_keys,
                              mask, key_bias, scratch, chunk);
     }
-    auto values(Index b, Index c, Index k0, Index count) const {
-      return v.block(b * key_stride + k0, c * dv, count, dv);
-    }
   };
-
-    static_assert(fuses_mix_softmax<Policy>::value, "the pipeline should take the fused mix + softmax stage");
+  static_assert(fuses_mix_softmax<Policy>::value, "the pipeline should take the fused mix + softmax stage");
   static constexpr Index kChunkBytes = 64 * 1024;
 
-  PositionMask mask() const { return {opt_.causal, opt_.causal_offset, 0}; }
+  // With a mix, the fused stage keeps all max(h_k, h, h_v) planes of a
+  // block resident; without one, heads run one at a time.
+  Index block_rows(Index keys) const {
+    const Index planes = has_pre_mix() || has_post_mix() ? std::max({key_heads(), num_heads(), value_heads()}) : 1;
+    return opt_.rows_per_block(planes, keys, sizeof(T));
+  }
 
   static Index key_heads_of(const TalkingHeadsOptions& o) { return o.key_heads > 0 ? o.key_heads : o.num_heads; }
   static Index value_heads_of(const TalkingHeadsOptions& o) {
     return o.value_heads > 0 ? o.value_heads : o.num_heads;
+  }
+  static Index stored_key_heads_of(const TalkingHeadsOptions& o) {
+    return o.num_kv_heads > 0 ? o.num_kv_heads : key_heads_of(o);
+  }
+  static Index stored_value_heads_of(const TalkingHeadsOptions& o) {
+    return o.num_kv_heads > 0 ? o.num_kv_heads : value_heads_of(o);
   }
 
   static void validate(const TalkingHeadsWeights<T>& w, const TalkingHeadsOptions& opt) {
     check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
     check_value(opt.key_heads >= 0, kName, "key_heads", ">= 1 (or 0 for num_heads)", opt.key_heads);
     check_value(opt.value_heads >= 0, kName, "value_heads", ">= 1 (or 0 for num_heads)", opt.value_heads);
-    check_value(opt.block_rows >= 1, kName, "block_rows", ">= 1", opt.block_rows);
-    check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
-    if (opt.scale && !std::isfinite(*opt.scale))
-      detail::throw_shape(kName, "scale", "a finite number", std::to_string(*opt.scale));
+    check_value(opt.num_kv_heads >= 0, kName, "num_kv_heads", ">= 1 (or 0 for none)", opt.num_kv_heads);
+    opt.validate(kName);
     const Index hk = key_heads_of(opt), h = opt.num_heads, hv = value_heads_of(opt);
+    const Index sk = stored_key_heads_of(opt), sv = stored_value_heads_of(opt);
+    check_value(hk % sk == 0 && hv % sv == 0, kName, "num_kv_heads",
+                "a divisor of key_heads = " + std::to_string(hk) + " and of value_heads = " + std::to_string(hv),
+                opt.num_kv_heads);
     const Index D = w.q.in_features(), Dkv = w.k.in_features();
     const Index hdk = w.q.out_features(), hdv = w.v.out_features();
     if (hdk == 0 || hdk % hk != 0)
       detail::throw_shape(kName, "q.weight", "[key_heads * head_dim, D] with key_heads = " + std::to_string(hk),
                           detail::format_shape(shape_of(w.q.weight)));
-    if (hdv == 0 || hdv % hv != 0)
-      detail::throw_shape(kName, "v.weight", "[value_heads * v_head_dim, Dkv] with value_heads = " + std::to_string(hv),
+    if (hdv == 0 || hdv % sv != 0)
+      detail::throw_shape(kName, "v.weight",
+                          opt.num_kv_heads > 0
+                              ? "[num_kv_heads * v_head_dim, Dkv] with num_kv_heads = " + std::to_string(sv)
+                              : "[value_heads * v_head_dim, Dkv] with value_heads = " + std::to_string(sv),
                           detail::format_shape(shape_of(w.v.weight)));
     check_value(D >= 1, kName, "q.weight columns (D)", ">= 1", D);
     w.q.check(kName, "q", hdk, D);
     check_value(Dkv >= 1, kName, "k.weight columns (Dkv)", ">= 1", Dkv);
-    w.k.check(kName, "k", hdk, Dkv);
+    w.k.check(kName, "k", hdk / hk * sk, Dkv);
     w.v.check(kName, "v", hdv, Dkv);
-    w.o.check_optional(kName, "o", hdv);
+    w.o.check_optional(kName, "o", hdv / sv * hv);
     check_mix("pre_softmax.weight", w.pre_softmax, h, hk, "key_heads", "num_heads");
     check_mix("post_softmax.weight", w.post_softmax, hv, h, "num_heads", "value_heads");
   }

@@ -1,0 +1,68 @@
+// The options every dense variant shares, with one validation, one mask and
+// one choice of block size. A variant's own options derive from
+// DenseOptions and add only their own fields:
+//
+//   struct MhaOptions : DenseOptions { Index num_heads = 1; Index num_kv_heads = 0; };
+#pragma once
+
+#include "headmix/core/error.hpp"
+#include "headmix/core/mask.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <optional>
+#include <string>
+
+namespace headmix {
+
+namespace detail {
+/// The expected shape of a K/V weight in a shape_error: "[num_heads *
+/// v_head_dim, D] with num_heads = 4", or in terms of num_kv_heads when the
+/// options set it.
+inline std::string heads_times(const std::string& rest, Index num_kv_heads, Index num_heads) {
+  return num_kv_heads > 0 ? "[num_kv_heads * " + rest + "] with num_kv_heads = " + std::to_string(num_kv_heads)
+                          : "[num_heads * " + rest + "] with num_heads = " + std::to_string(num_heads);
+}
+}  // namespace detail
+
+struct DenseOptions {
+  bool causal = false;
+  Index causal_offset = 0;      ///< see PositionMask: query i sees keys j <= i + causal_offset
+  Index window = 0;             ///< > 0 (needs causal): query i sees only its last `window` keys, itself included
+  std::optional<double> scale;  ///< default: the variant's (1/sqrt(head_dim) unless it says otherwise)
+  Index block_rows = 0;         ///< query rows per pipeline task; 0 = chosen from heads, keys and window
+  int threads = 1;              ///< worker threads; results do not depend on it
+
+  /// The mask of a forward call.
+  PositionMask mask() const { return {causal, causal_offset, window}; }
+  /// The mask of a decoding step whose new queries follow `past` cached
+  /// positions: bottom-right causal whatever `causal` says, same window.
+  PositionMask step_mask(Index past) const { return {true, past, window}; }
+
+  /// Query rows per pipeline task when up to `keys` keys are in view and
+  /// `resident_heads` [rows, keys] tiles of `element_bytes` coexist (1 for
+  /// variants whose heads run one at a time). GEMMs want many rows (below
+  /// ~16 their packing dominates), the tiles want few: 64 rows, fewer once
+  /// the tiles pass 8 MiB. A block computes every key of its window range,
+  /// rows + window - 1 of them, so with a window the block is no taller than
+  /// max(window, 16): cost O(T · max(window, 16)).
+  Index rows_per_block(Index resident_heads, Index keys, std::size_t element_bytes) const {
+    if (block_rows > 0) return block_rows;
+    const Index cap = window > 0 ? std::clamp<Index>(window, 16, 64) : 64;
+    if (resident_heads <= 1) return cap;
+    const Index budget = (Index(8) << 20) / static_cast<Index>(element_bytes);
+    return std::clamp<Index>(budget / std::max<Index>(1, resident_heads * keys), 16, cap);
+  }
+
+  /// Throws shape_error naming `variant` and the offending option.
+  void validate(const std::string& variant) const {
+    check_value(block_rows >= 0, variant, "block_rows", ">= 0 (0 = automatic)", block_rows);
+    check_value(threads >= 1, variant, "threads", ">= 1", threads);
+    check_value(window >= 0, variant, "window", ">= 0", window);
+    check_value(window == 0 || causal, variant, "window", "0 unless causal (a window needs causal = true)", window);
+    if (scale && !std::isfinite(*scale)) detail::throw_shape(variant, "scale", "a finite number", std::to_string(*scale));
+  }
+};
+
+}  // namespace headmix

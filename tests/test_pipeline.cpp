@@ -1,0 +1,207 @@
+// run_dense_pipeline's contract (core/pipeline.hpp), executed: two small
+// hand-written policies, and what the pipeline must make of them, computed
+// by naive loops in double.
+//
+//   * HeadsOnly declares score, values and the head counts, nothing else:
+//     the pipeline supplies the rest (no mixes, each head on its own).
+//   * Mixing adds has_pre_mix / has_post_mix and the two mix stages, which
+//     run on whole [heads, rows, cols] tiles: the unfused path.
+//
+// Scores and values are fixed tables indexed by absolute (query, key), so
+// a policy that is called with the wrong first query or key, or a tile the
+// wrong size, gives the wrong answer. Checked: outputs and the exported
+// weights, for causal + offset, windows, key padding, fully masked rows
+// (zeros), several block sizes and thread counts.
+
+#include "headmix/core/pipeline.hpp"
+#include "test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace headmix_test;
+using headmix::AttentionTensor;
+using headmix::Index;
+using headmix::PositionMask;
+using headmix::Workspace;
+
+constexpr Index kB = 2, kT = 9, kS = 11, kScoreHeads = 3, kSoftmaxHeads = 2, kValueHeads = 4, kDv = 3;
+
+// score[b][h](i, j) and value[b][h](j, :), the same tables for every policy.
+struct Tables {
+  std::vector<Matrix<double>> score, value;  // index b * heads + h
+  Matrix<double> pre, post;                  // [softmax, score] heads; [value, score]: the first columns
+                                             // that there are softmax heads
+  explicit Tables(Rng& rng) {
+    for (Index i = 0; i < kB * kScoreHeads; ++i) score.push_back(random_matrix<double>(rng, kT, kS, 3.0));
+    for (Index i = 0; i < kB * kValueHeads; ++i) value.push_back(random_matrix<double>(rng, kS, kDv, 1.0));
+    pre = random_matrix<double>(rng, kSoftmaxHeads, kScoreHeads, 1.0);
+    post = random_matrix<double>(rng, kValueHeads, kScoreHeads, 1.0);
+  }
+};
+
+// Independent heads: kValueHeads of each score, softmax and value.
+struct HeadsOnly {
+  const Tables* t;
+
+  Index score_heads() const { return kValueHeads; }
+  Index softmax_heads() const { return kValueHeads; }
+  Index value_heads() const { return kValueHeads; }
+  Index value_dim() const { return kDv; }
+  void score(Index b, Index h, Eigen::Map<Matrix<double>> out, Index q0, Index k0, Workspace<double>&, int) const {
+    out = t->score[b * kScoreHeads + h % kScoreHeads].block(q0, k0, out.rows(), out.cols());
+  }
+  auto values(Index b, Index h, Index k0, Index count) const {
+    return t->value[b * kValueHeads + h].middleRows(k0, count);
+  }
+};
+
+// Score heads mixed into softmax heads before the softmax, softmax heads
+// into value heads after it, as whole tiles.
+struct Mixing {
+  const Tables* t;
+  bool pre_on, post_on;
+
+  Index score_heads() const { return kScoreHeads; }
+  Index softmax_heads() const { return pre_on ? kSoftmaxHeads : kScoreHeads; }
+  Index value_heads() const { return kValueHeads; }
+  Index value_dim() const { return kDv; }
+  bool has_pre_mix() const { return pre_on; }
+  bool has_post_mix() const { return post_on; }
+  void score(Index b, Index h, Eigen::Map<Matrix<double>> out, Index q0, Index k0, Workspace<double>&, int) const {
+    out = t->score[b * kScoreHeads + h].block(q0, k0, out.rows(), out.cols());
+  }
+  static void mix(const Matrix<double>& m, const AttentionTensor<double>& in, const AttentionTensor<double>& out) {
+    for (Index o = 0; o < out.heads(); ++o) {
+      out.head(o).setZero();
+      for (Index i = 0; i < in.heads(); ++i) out.head(o) += m(o, i) * in.head(i);
+    }
+  }
+  void pre_mix(Index, const AttentionTensor<double>& in, const AttentionTensor<double>& out, Workspace<double>&,
+               int) const {
+    mix(t->pre, in, out);
+  }
+  void post_mix(Index, const AttentionTensor<double>& in, const AttentionTensor<double>& out, Workspace<double>&,
+                int) const {
+    mix(t->post, in, out);
+  }
+  auto values(Index b, Index c, Index k0, Index count) const {
+    return t->value[b * kValueHeads + c].middleRows(k0, count);
+  }
+};
+static_assert(!headmix::mixes_heads<HeadsOnly>::value && headmix::mixes_heads<Mixing>::value);
+
+// The contract in loops: logits L = pre · scores (or the scores), masked
+// (position mask and padding) softmax per row, weights W = post · P (or P),
+// output_c = W_c · V_c. A row with no visible key has P = 0.
+struct Expected {
+  std::vector<double> out, probs;  // [B, T, hv·dv], [B, hv, T, S]
+};
+Expected expected(const Tables& t, const PositionMask& mask, const std::vector<std::uint8_t>& pad, bool pre,
+                  bool post, bool independent) {
+  const Index hs = independent ? kValueHeads : kScoreHeads;
+  const Index hl = independent ? kValueHeads : (pre ? kSoftmaxHeads : kScoreHeads);
+  Expected e{std::vector<double>(kB * kT * kValueHeads * kDv, 0.0), std::vector<double>(kB * kValueHeads * kT * kS)};
+  for (Index b = 0; b < kB; ++b)
+    for (Index i = 0; i < kT; ++i) {
+      std::vector<std::vector<double>> p(hl, std::vector<double>(kS, 0.0));
+      for (Index g = 0; g < hl; ++g) {
+        std::vector<double> logit(kS);
+        double top = -std::numeric_limits<double>::infinity();
+        for (Index j = 0; j < kS; ++j) {
+          auto s = [&](Index a) { return t.score[b * kScoreHeads + a % kScoreHeads](i, j); };
+          double l = 0;
+          if (!independent && pre)
+            for (Index a = 0; a < hs; ++a) l += t.pre(g, a) * s(a);
+          else
+            l = s(g);
+          const auto [lo, hi] = mask.key_range(i, kS);
+          const bool visible = j >= lo && j < hi && !pad[b * kS + j];
+          logit[j] = visible ? l : -std::numeric_limits<double>::infinity();
+          top = std::max(top, logit[j]);
+        }
+        if (std::isinf(top)) continue;  // no visible key: zeros
+        double sum = 0;
+        for (Index j = 0; j < kS; ++j) sum += p[g][j] = std::exp(logit[j] - top);
+        for (Index j = 0; j < kS; ++j) p[g][j] /= sum;
+      }
+      for (Index c = 0; c < kValueHeads; ++c)
+        for (Index j = 0; j < kS; ++j) {
+          double w = 0;
+          if (!independent && post)
+            for (Index g = 0; g < hl; ++g) w += t.post(c, g) * p[g][j];
+          else
+            w = p[c][j];
+          e.probs[((b * kValueHeads + c) * kT + i) * kS + j] = w;
+          for (Index d = 0; d < kDv; ++d)
+            e.out[(b * kT + i) * kValueHeads * kDv + c * kDv + d] += w * t.value[b * kValueHeads + c](j, d);
+        }
+    }
+  return e;
+}
+
+struct Setting {
+  const char* name;
+  PositionMask mask;
+  bool padded;
+};
+
+const std::vector<Setting>& settings() {
+  static const std::vector<Setting> s = {
+      {"none", {}, false},
+      {"causal", {true, 0, 0}, false},
+      {"causal offset 2, padded", {true, 2, 0}, true},
+      {"window 3", {true, 1, 3}, true},
+      {"negative offset (rows without keys)", {true, -3, 0}, true},
+  };
+  return s;
+}
+
+template <class Policy>
+void check(const Policy& policy, const Tables& t, bool pre, bool post, bool independent) {
+  std::vector<std::uint8_t> pad(kB * kS, 0);
+  for (Index j = 0; j < kS; j += 4) pad[kS + j] = 1;  // item 1: every fourth key padded
+  for (const Setting& s : settings())
+    for (Index block : {Index(1), Index(4), Index(kT)})
+      for (int threads : {1, 3}) {
+        SCOPED_TRACE(std::string(s.name) + ", block_rows " + std::to_string(block) + ", threads " +
+                     std::to_string(threads));
+        std::vector<double> context(kB * kT * kValueHeads * kDv, -7.0);  // every entry must be written
+        Tensor<double> probs;
+        headmix::DenseRun<double> run;
+        run.batch = kB, run.queries = kT, run.keys = kS, run.mask = s.mask, run.block_rows = block;
+        run.threads = threads, run.context = context.data(), run.probs = &probs;
+        if (s.padded) run.padding = {pad.data(), kB, kS};
+        Workspace<double> ws;
+        headmix::run_dense_pipeline(policy, run, ws);
+        const Expected e = expected(t, s.mask, s.padded ? pad : std::vector<std::uint8_t>(kB * kS, 0), pre, post,
+                                    independent);
+        EXPECT_TRUE(all_close("context", context.data(), context.size(), e.out, {1e-12, 1e-12}));
+        EXPECT_TRUE(all_close("probs", probs, e.probs, {1e-12, 1e-12}));
+      }
+}
+
+TEST(DensePipeline, IndependentHeadsGetEveryOtherStageFromThePipeline) {
+  Rng rng(3);
+  const Tables t(rng);
+  check(HeadsOnly{&t}, t, false, false, true);
+}
+
+TEST(DensePipeline, MixesRunOnWholeTilesAroundTheMaskedSoftmax) {
+  Rng rng(4);
+  const Tables t(rng);
+  for (bool pre : {false, true})
+    for (bool post : {false, true}) {
+      if (!post && kValueHeads != (pre ? kSoftmaxHeads : kScoreHeads)) continue;  // heads must line up
+      SCOPED_TRACE(std::string("pre ") + (pre ? "on" : "off") + ", post " + (post ? "on" : "off"));
+      check(Mixing{&t, pre, post}, t, pre, post, false);
+    }
+}
+
+}  // namespace
