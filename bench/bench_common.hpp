@@ -26,14 +26,6 @@ Linear<T> random_linear(Index out, Index in, unsigned seed) {
   return {random_matrix<T>(out, in, 1.0 / std::sqrt(double(in)), seed), Vector<T>::Zero(out)};
 }
 
-/// A variant's flops() result as a FlopCount (DCMHA's breaks its count down
-/// by kind and offers total()).
-inline FlopCount as_flop_count(const FlopCount& f) { return f; }
-template <class F>
-auto as_flop_count(const F& f) -> decltype(f.total()) {
-  return f.total();
-}
-
 template <class T>
 Tensor<T> random_tensor(std::vector<Index> shape, double scale, unsigned seed) {
   Tensor<T> t(std::move(shape));
@@ -176,7 +168,7 @@ void time_self_attention(benchmark::State& state, const Layer& layer, Index T, I
     benchmark::ClobberMemory();
   }
   report_allocations(state, before);
-  report(state, as_flop_count(layer.flops(1, T, T)), ws.bytes());
+  report(state, layer.flops(1, T, T), ws.bytes());
 }
 
 }  // namespace headmix::bench

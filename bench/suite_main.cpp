@@ -167,7 +167,7 @@ Side forward_side(const std::string& label, Layer layer, Index T, Index D) {
 // The variant's forward side and its analytic FLOPs at (1, T, T).
 std::pair<Side, double> variant_side(const std::string& v, const LayerShape& s, Index T) {
   auto with = [&](auto layer) {
-    const double flops = bench::as_flop_count(layer.flops(1, T, T)).flops();
+    const double flops = layer.flops(1, T, T).flops();
     return std::pair<Side, double>{forward_side(v, std::move(layer), T, s.D), flops};
   };
   if (v == "MHA") return with(bench::make_mha(s));
