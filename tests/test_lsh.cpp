@@ -483,6 +483,27 @@ TYPED_TEST(LshTest, ThreadCountDoesNotChangeBits) {
   }
 }
 
+// `scale` multiplies the logits q · k̂ and nothing else: with scale
+// c / sqrt(dh) the layer is the default layer on qk weights times c (the
+// buckets depend only on qk's direction, the unit key not at all). c = 4
+// scales every value exactly, so the two agree to rounding at most.
+TYPED_TEST(LshTest, ScaleMultipliesTheLogits) {
+  using T = TypeParam;
+  Shape s;
+  s.T = 40, s.NH = 2, s.causal = true, s.pad_rate = 0.2, s.qkv_bias = true;
+  const auto p = make_problem<T>(s, 191);
+  auto scaled = p;
+  scaled.w.qk.weight *= T(4);
+  scaled.w.qk.bias *= T(4);
+  headmix::LshOptions o = p.options();
+  o.scale = 4.0 / std::sqrt(static_cast<double>(p.s.dh));
+  headmix::Workspace<T> ws;
+  const Tensor<T> want = scaled.layer().forward(scaled.input(), ws);
+  EXPECT_TRUE(all_close("output", headmix::Lsh<T>(p.w, o).forward(p.input(), ws), widen(want), default_tolerance<T>()));
+  EXPECT_FALSE(all_close("output", p.layer().forward(p.input(), ws), widen(want), default_tolerance<T>()))
+      << "the unscaled layer should differ";
+}
+
 // One Workspace through calls of growing, shrinking and differently shaped
 // problems gives what a fresh one gives, bit for bit.
 TYPED_TEST(LshTest, WorkspaceReusedAcrossShapes) {
@@ -799,6 +820,13 @@ TEST_F(BadInput, ZeroHeads) {
 TEST_F(BadInput, QueryKeyRowsNotDivisibleByHeads) {
   opt.num_heads = 3;  // qk has 8 rows
   EXPECT_SHAPE_ERROR(build(), "qk.weight", "num_heads = 3", "got [8, 12]");
+}
+
+TEST_F(BadInput, ScaleNotPositiveAndFinite) {
+  for (double bad : {0.0, -0.5, std::numeric_limits<double>::infinity()}) {
+    opt.scale = bad;
+    EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number > 0");
+  }
 }
 
 TEST_F(BadInput, NoQueryKeyWeight) {

@@ -63,6 +63,7 @@
 #include "headmix/variants/lsh/rotations.hpp"
 
 #include <cmath>
+#include <optional>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -79,6 +80,10 @@ struct LshOptions {
   bool allow_duplicate_attention = true;   ///< false: divide out keys seen more than once (step 6f)
   bool rotations_per_head = false;         ///< one rotation per (batch item, head) instead of one shared
   std::uint64_t seed = 0;                  ///< rotations when weights.rotations is empty
+  /// The logit scale on q · k̂ (k̂ the unit key): default 1/sqrt(head_dim),
+  /// the spec's (conformance/lsh.md). Any positive scale leaves the hashing
+  /// as it is (the buckets depend on qk's direction only).
+  std::optional<double> scale;
   int threads = 1;                         ///< worker threads over (batch, head); results do not depend on it
 };
 
@@ -167,6 +172,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     rules.causal = opt_.causal;
     rules.across = opt_.attend_across_buckets;
     rules.duplicates = opt_.allow_duplicate_attention;
+    rules.scale = opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())));
 
     parallel_for(B * H, opt_.threads, [&](Index task, int worker) {
       lsh_detail::HeadJob<T> job = head_job(call, in, task, ws, worker);
@@ -298,6 +304,8 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     check_value(opt.n_buckets == 0 || (opt.n_buckets >= 2 && opt.n_buckets % 2 == 0), kName, "n_buckets",
                 "0 (padded length / bucket_size) or an even number >= 2", opt.n_buckets);
     check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
+    if (opt.scale && !(std::isfinite(*opt.scale) && *opt.scale > 0))
+      detail::throw_shape(kName, "scale", "a finite number > 0", std::to_string(*opt.scale));
     const Index H = opt.num_heads, hdk = w_.qk.out_features(), hdv = w_.v.out_features();
     if (hdk == 0 || hdk % H != 0)
       detail::throw_shape(kName, "qk.weight", "[num_heads * head_dim, D] with num_heads = " + std::to_string(H),

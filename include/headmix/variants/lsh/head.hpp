@@ -60,6 +60,7 @@ struct Rules {
   bool causal = false;     ///< 6c
   bool across = true;      ///< attend_across_buckets (6e when false)
   bool duplicates = true;  ///< allow_duplicate_attention (6f when false)
+  double scale = 1;        ///< 6a's logit scale (1/sqrt(dh) by default)
 };
 
 /// One (batch item, head): where its inputs are and where its outputs go.
@@ -169,18 +170,18 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   hash_head(job, L, ws, worker, bucket);
   sort_rounds(L, bucket, local_ints(ws, worker, s_counts, NB + 1), pos, chunk_of);
 
-  // Step 0 validity, and step 4's key scale 1 / (max(‖qk‖, 1e-12) · sqrt(dh))
+  // Step 0 validity, and step 4's key scale: the logit scale / max(‖qk‖, 1e-12)
   // folded into one factor per position.
   Int* valid = local_ints(ws, worker, s_valid, Tp);
   T* kscale = ws.local(worker, s_kscale, Tp);
-  const T inv_sqrt_dh = T(1) / std::sqrt(T(dh));
+  const T logit_scale = static_cast<T>(rules.scale);
   auto key_scale = [&](const T* row) {
     const Eigen::Map<const Vector<T>> qk(row, dh);
     T norm = qk.norm();
     // ‖qk‖² overflows (or underflows) long before ‖qk‖ does: rescale then.
     if (!(norm < std::numeric_limits<T>::max()) || norm < std::sqrt(std::numeric_limits<T>::min()))
       norm = qk.stableNorm();
-    return inv_sqrt_dh / std::max(norm, T(1e-12));
+    return logit_scale / std::max(norm, T(1e-12));
   };
   for (Index p = 0; p < T_; ++p) {
     valid[p] = !(job.padding && job.padding[p]);
