@@ -150,7 +150,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     check_input(kName, in, embed_dim(), key_dim());
     const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
     check_output(kName, out, B, T_, out_dim());
-    const Index hk = key_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
+    const Index dk = head_dim(), dv = v_head_dim();
 
     MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, stored_key_heads() * dk);
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, stored_value_heads() * dv);
