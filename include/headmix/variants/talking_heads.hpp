@@ -215,7 +215,9 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();  // the mix is linear, so the scale may go on Q before it
 
-    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs};
+    // Blocks sized for key_stride (a decoding cache's capacity), as
+    // step() reserved them, so that steps over a growing cache allocate nothing.
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(key_stride), opt_.threads, ctx.data(), probs};
     const Index sk = stored_key_heads(), sv = stored_value_heads();
     const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
     run_dense_pipeline(Policy{stages, w_.pre_softmax, w_.post_softmax, h, hv}, run, ws);
