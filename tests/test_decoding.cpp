@@ -943,6 +943,17 @@ TEST(Decoding, FromTensorsShapeErrorsNameTheStoredTensor) {
   mo.block_rows = -1;  // an option, not a tensor
   EXPECT_EQ(shape_error_message([&] { (void)Mha<double>::from_tensors(f, p, mo); }),
             "[mha] block_rows: expected >= 0 (0 = automatic), got -1");
+  // The parts of the message are fields of the error, the prefix on the argument.
+  mo.block_rows = 0;
+  try {
+    (void)Mha<double>::from_tensors(f, p, mo);
+    ADD_FAILURE() << "no shape_error";
+  } catch (const shape_error& e) {
+    EXPECT_EQ(e.variant(), "mha");
+    EXPECT_EQ(e.argument(), p + "v.weight");
+    EXPECT_EQ(e.expected(), "[8, 8]");
+    EXPECT_EQ(e.actual(), "[8, 9]");
+  }
 }
 
 // from_tensors reads grouped-query K and V ([Hkv·Dk, D], [Hkv·Dv, D]) under

@@ -13,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifndef HEADMIX_ASSERT
@@ -23,10 +24,27 @@ namespace headmix {
 
 /// A shape, head count or option does not fit. Derived from
 /// std::invalid_argument; the message reads
-/// "[variant] argument: expected [a, b], got [c, d]".
+/// "[variant] argument: expected [a, b], got [c, d]", and each part is a
+/// field of its own.
 class shape_error : public std::invalid_argument {
  public:
-  using std::invalid_argument::invalid_argument;
+  shape_error(std::string variant, std::string argument, std::string expected, std::string actual)
+      : std::invalid_argument("[" + variant + "] " + argument + ": expected " + expected + ", got " + actual),
+        variant_(std::move(variant)),
+        argument_(std::move(argument)),
+        expected_(std::move(expected)),
+        actual_(std::move(actual)) {}
+
+  const std::string& variant() const { return variant_; }
+  const std::string& argument() const { return argument_; }  ///< a tensor's or an option's name
+  const std::string& expected() const { return expected_; }
+  const std::string& actual() const { return actual_; }
+
+  /// The same error about another argument name (a tensor as stored).
+  shape_error renamed(const std::string& argument) const { return {variant_, argument, expected_, actual_}; }
+
+ private:
+  std::string variant_, argument_, expected_, actual_;
 };
 
 namespace detail {
@@ -47,7 +65,7 @@ inline std::string format_shape(const Shape& shape) {
 
 [[noreturn]] inline void throw_shape(const std::string& variant, const std::string& arg, const std::string& expected,
                                      const std::string& got) {
-  throw shape_error("[" + variant + "] " + arg + ": expected " + expected + ", got " + got);
+  throw shape_error(variant, arg, expected, got);
 }
 
 }  // namespace detail

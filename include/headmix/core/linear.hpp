@@ -179,16 +179,13 @@ auto with_tensor_prefix(const Source& tensors, const std::string& prefix,
   try {
     return build();
   } catch (const shape_error& e) {
-    const std::string what = e.what();  // "[variant] argument: expected ..."
-    const std::size_t start = what.find("] ");
-    if (prefix.empty() || start == std::string::npos) throw;
-    const std::size_t end = what.find_first_of(" :", start + 2);
-    if (end == std::string::npos) throw;
-    const std::string arg = what.substr(start + 2, end - start - 2);
-    const bool is_tensor =
-        std::find(tensor_names.begin(), tensor_names.end(), arg) != tensor_names.end() && tensors.contains(prefix + arg);
-    if (!is_tensor) throw;
-    throw shape_error(what.substr(0, start + 2) + prefix + what.substr(start + 2));
+    // The argument is a tensor's name, possibly qualified ("q.weight
+    // columns (D)"), or an option's, which keeps its name.
+    const std::string tensor = e.argument().substr(0, e.argument().find(' '));
+    const bool is_tensor = std::find(tensor_names.begin(), tensor_names.end(), tensor) != tensor_names.end() &&
+                           tensors.contains(prefix + tensor);
+    if (prefix.empty() || !is_tensor) throw;
+    throw e.renamed(prefix + e.argument());
   }
 }
 
