@@ -56,14 +56,6 @@ struct mixes_heads : std::false_type {};
 template <class P>
 struct mixes_heads<P, std::void_t<decltype(&P::has_pre_mix), decltype(&P::has_post_mix)>> : std::true_type {};
 
-/// Workspace slots. Shared slots below slot::variant belong to the
-/// pipeline's callers (projections); variants number their own from there.
-/// Per-worker slots below slot::local_variant belong to the pipeline.
-namespace slot {
-enum : std::size_t { query = 0, key, value, context, variant = 8 };
-enum : std::size_t { tile_a = 0, tile_b, key_bias, local_variant = 8 };
-}  // namespace slot
-
 /// What one call of the pipeline works on.
 template <class T>
 struct DenseRun {

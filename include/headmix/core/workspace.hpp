@@ -61,4 +61,13 @@ class Workspace {
   std::vector<std::vector<Buffer>> local_;
 };
 
+/// Workspace slots. Shared slots below slot::variant belong to the
+/// pipeline's callers (projections), per-worker slots below
+/// slot::local_variant to the pipeline. A variant names its own in an enum
+/// that starts at slot::variant (shared) or slot::local_variant (per worker).
+namespace slot {
+enum : std::size_t { query = 0, key, value, context, variant = 8 };
+enum : std::size_t { tile_a = 0, tile_b, key_bias, local_variant = 8 };
+}  // namespace slot
+
 }  // namespace headmix

@@ -251,9 +251,8 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   }
 
  private:
-  static constexpr std::size_t kMixSlot = slot::variant, kBiasSlot = slot::variant + 1,
-                               kPreNormSlot = slot::variant + 2;
-  static constexpr std::size_t kMixedQuerySlot = slot::local_variant, kHeadBiasSlot = slot::local_variant + 1;
+  enum : std::size_t { kMixSlot = slot::variant, kBiasSlot, kPreNormSlot };
+  enum : std::size_t { kMixedQuerySlot = slot::local_variant, kHeadBiasSlot };
 
   // Project the queries and run the pipeline over shared keys `k`, values
   // `v` and scaled content bias `cb` (batch item b's S rows start at row

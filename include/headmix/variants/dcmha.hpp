@@ -204,9 +204,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     src.v = v.data();
     src.kv_stride = T_;
     for (int st = 0; st < 2; ++st) {
-      if (needs_query_factors(st)) src.qf[st] = ws.shared(slot::variant + st, B * T_ * factor_width());
+      if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * T_ * factor_width());
       if (needs_key_factors(st))
-        src.kf[st] = ws.shared(slot::variant + 2 + st, B * factor_width() * detail::dcmha_padded_stride(T_));
+        src.kf[st] = ws.shared(shared_key_factors + st, B * factor_width() * detail::dcmha_padded_stride(T_));
     }
     src.qf_stride = factor_width();
     src.kf_row_stride = detail::dcmha_padded_stride(T_);
@@ -259,7 +259,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     src.v = cache.stream(1).data();
     src.kv_stride = cap;
     for (int st = 0; st < 2; ++st) {
-      if (needs_query_factors(st)) src.qf[st] = ws.shared(slot::variant + st, B * n * factor_width());
+      if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * n * factor_width());
       if (needs_key_factors(st)) src.kf[st] = cache.stream(2 + static_cast<std::size_t>(st)).data();
     }
     src.qf_stride = factor_width();
@@ -356,6 +356,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // Rows per task of the dynamic-weight GEMMs (fixed, so results do not
   // depend on the thread count).
   static constexpr Index kFactorRows = 64;
+  // Workspace slots: per stage (pre, post), the query-side and key-side
+  // factors; per worker, the compose scratch.
+  enum : std::size_t { shared_query_factors = slot::variant, shared_key_factors = slot::variant + 2 };
   enum : std::size_t { local_u = slot::local_variant, local_f, local_compose };
 
   bool has_mix() const { return opt_.use_pre || opt_.use_post; }
