@@ -68,16 +68,20 @@ struct DenseRun {
   Tensor<T>* probs = nullptr;  ///< out, optional: resized to [B, value_heads, T, S], the final weights
 };
 
-/// Size every worker's tiles for up to `keys` keys ahead of time, so that a
-/// sequence of calls with growing key counts (decoding steps over a cache)
-/// allocates nothing. `mixes`: the policy has a pre- or post-softmax mix.
+/// Size every worker's tiles for blocks of up to `block_rows` queries over
+/// up to `keys` keys ahead of time, so that a sequence of calls with growing
+/// key counts (decoding steps over a cache) allocates nothing. `planes`: the
+/// [rows, keys] planes a worker holds at once, 1 when heads run one at a
+/// time, else max(score, softmax, value heads). `second_tile`: the policy
+/// mixes in stages of their own, which write to a second tile.
 template <class T>
-void reserve_dense_tiles(Workspace<T>& ws, int threads, Index tile_heads, bool mixes, Index block_rows, Index keys) {
+void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool second_tile, Index block_rows,
+                         Index keys) {
   ws.reserve_workers(std::max(1, threads));
   for (int w = 0; w < std::max(1, threads); ++w) {
     ws.local(w, slot::key_bias, keys);
-    ws.local(w, slot::tile_a, (mixes ? tile_heads : 1) * block_rows * keys);
-    if (mixes) ws.local(w, slot::tile_b, tile_heads * block_rows * keys);
+    ws.local(w, slot::tile_a, planes * block_rows * keys);
+    if (second_tile) ws.local(w, slot::tile_b, planes * block_rows * keys);
   }
 }
 

@@ -295,7 +295,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     Index widest = 0;
     for (const auto& sp : span_) widest = std::max(widest, sp.second);
     const int workers = std::max(1, opt_.threads);
-    reserve_dense_tiles(ws, workers, num_heads(), false, rows, keys);
+    reserve_dense_tiles(ws, workers, 1, false, rows, keys);
     for (int w = 0; w < workers; ++w) {
       ws.local(w, kMixedQuerySlot, rows * widest);
       if (has_content_bias()) ws.local(w, kHeadBiasSlot, keys);

@@ -241,7 +241,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     cache.check_room(kName, n);
     // Size the tiles for a full cache now, so that later steps of as many
     // positions find every buffer big enough.
-    reserve_dense_tiles(ws, opt_.threads, H, has_mix(), std::min(n, block_rows_for(S)), cap);
+    reserve_dense_tiles(ws, opt_.threads, has_mix() ? H : 1, has_mix(), std::min(n, block_rows_for(S)), cap);
 
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * n, H * dk);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * n, H * dv);

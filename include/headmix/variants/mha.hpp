@@ -116,8 +116,7 @@ class Mha : public LayerForms<Mha<T>, T> {
     check_output(kName, out, B, n, out_dim());
     cache.bind(kName, {Hkv * head_dim(), Hkv * v_head_dim()});
     cache.check_room(kName, n);
-    reserve_dense_tiles(ws, opt_.threads, num_heads(), false, std::min(n, block_rows(cache.capacity())),
-                        cache.capacity());
+    reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity());
     for (Index b = 0; b < B; ++b) {
       w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
       w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));

@@ -234,15 +234,11 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   // max(h_k, h, h_v) planes) and the fused stage's chunk of logits, which
   // Policy::mix_softmax keeps at max(kChunkBytes, one row of h heads).
   void reserve_step_scratch(Workspace<T>& ws, Index rows, Index keys) const {
-    const int workers = std::max(1, opt_.threads);
     const bool mixes = has_pre_mix() || has_post_mix();
-    const Index planes = mixes ? std::max({key_heads(), num_heads(), value_heads()}) : 1;
+    reserve_dense_tiles(ws, opt_.threads, tile_planes(), false, rows, keys);
     const Index chunk = std::max(kChunkBytes / static_cast<Index>(sizeof(T)), num_heads() * keys);
-    ws.reserve_workers(workers);
-    for (int w = 0; w < workers; ++w) {
-      ws.local(w, slot::tile_a, planes * rows * keys);
+    for (int w = 0; w < std::max(1, opt_.threads); ++w)
       if (mixes) ws.local(w, slot::local_variant, chunk);
-    }
   }
 
   // Dot-product scores over h_k heads and readout over h_v, with the two
@@ -276,10 +272,10 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
 
   // With a mix, the fused stage keeps all max(h_k, h, h_v) planes of a
   // block resident; without one, heads run one at a time.
-  Index block_rows(Index keys) const {
-    const Index planes = has_pre_mix() || has_post_mix() ? std::max({key_heads(), num_heads(), value_heads()}) : 1;
-    return opt_.rows_per_block(planes, keys, sizeof(T));
+  Index tile_planes() const {
+    return has_pre_mix() || has_post_mix() ? std::max({key_heads(), num_heads(), value_heads()}) : 1;
   }
+  Index block_rows(Index keys) const { return opt_.rows_per_block(tile_planes(), keys, sizeof(T)); }
 
   static Index key_heads_of(const TalkingHeadsOptions& o) { return o.key_heads > 0 ? o.key_heads : o.num_heads; }
   static Index value_heads_of(const TalkingHeadsOptions& o) {
