@@ -218,7 +218,6 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     cache.advance(n);
   }
 
-
   /// Multiply-adds of one call on B sequences of T queries and S keys.
   ///
   /// With w_h = head_span(h).second and W = Σ_h w_h (H·R for dense mixing):

@@ -219,7 +219,6 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     finish(ctx, out);
   }
 
-
   /// Incremental decoding. Attends n new positions `x` [B, n, D] to every
   /// position in `cache` and to themselves, and appends what later
   /// positions need of them (K, V, key-side dynamic factors) to the cache.
@@ -274,7 +273,6 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     finish(ctx, out);
     cache.advance(n);
   }
-
 
   /// Multiply-adds of a call that adds T new positions to S - T cached ones
   /// (S = T: a forward), by kind.

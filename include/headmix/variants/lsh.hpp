@@ -188,7 +188,6 @@ class Lsh : public LayerForms<Lsh<T>, T> {
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
   }
 
-
   /// The bucket of every position in every round, [B, H, NH, Tp], in
   /// [0, NB) before the round offset, autopad positions included: what
   /// forward() sorts by (lsh.md's expected.buckets; a debugging aid).

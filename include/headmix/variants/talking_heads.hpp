@@ -188,7 +188,6 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     cache.advance(n);
   }
 
-
   /// Multiply-adds of one call on B sequences of T queries and S keys. Per
   /// causally visible (query, key) pair: h_k·Dk for the scores, h·h_k for
   /// the pre mix, h_v·h for the post mix and h_v·Dv for the readout.
