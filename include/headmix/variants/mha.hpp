@@ -105,8 +105,8 @@ class Mha : public LayerForms<Mha<T>, T> {
   /// position in `cache` and to themselves, and appends their keys and
   /// values (the Hkv KV heads only) to the cache. Alignment is bottom-right
   /// causal whatever options().causal says: new position k sees cached
-  /// positions 0 … size + k (the last `window` of them with a window). `out` must be [B, n, out_dim]. Self-attention layers only
-  /// (key width == D). Allocates nothing once `ws` and `cache` are sized;
+  /// positions 0 … size + k (the last `window` of them with a window).
+  /// `out` must be [B, n, out_dim]. Self-attention layers only (key width == D). Allocates nothing once `ws` and `cache` are sized;
   /// throws cache_full_error (and changes nothing) when n positions do not fit.
   void step(ConstBatchView<T> x, SequenceCache<T>& cache, BatchView<T> out, Workspace<T>& ws,
             Tensor<T>* probs = nullptr) const {
