@@ -34,6 +34,37 @@ Tensor<T> random_tensor(std::vector<Index> shape, double scale, unsigned seed) {
   return t;
 }
 
+/// Bytes of a layer's weights: what a decoding step reads besides its cache.
+template <class T>
+std::size_t bytes_of(const Linear<T>& l) { return sizeof(T) * std::size_t(l.weight.size() + l.bias.size()); }
+template <class T>
+std::size_t bytes_of(const Matrix<T>& m) { return sizeof(T) * std::size_t(m.size()); }
+template <class T>
+std::size_t bytes_of(const Tensor<T>& t) { return t.rank() == 0 ? 0 : sizeof(T) * std::size_t(t.size()); }
+template <class T>
+std::size_t weight_bytes(const Mha<T>& l) {
+  const auto& w = l.weights();
+  return bytes_of(w.q) + bytes_of(w.k) + bytes_of(w.v) + bytes_of(w.o);
+}
+template <class T>
+std::size_t weight_bytes(const TalkingHeads<T>& l) {
+  const auto& w = l.weights();
+  return bytes_of(w.q) + bytes_of(w.k) + bytes_of(w.v) + bytes_of(w.o) + bytes_of(w.pre_softmax) +
+         bytes_of(w.post_softmax);
+}
+template <class T>
+std::size_t weight_bytes(const CollabHead<T>& l) {
+  const auto& w = l.weights();
+  return bytes_of(w.q) + bytes_of(w.k) + bytes_of(w.mixing) + bytes_of(w.content_bias) + bytes_of(w.v) +
+         bytes_of(w.o);
+}
+template <class T>
+std::size_t weight_bytes(const Dcmha<T>& l) {
+  const auto& w = l.weights();
+  return bytes_of(w.q) + bytes_of(w.k) + bytes_of(w.v) + bytes_of(w.o) + bytes_of(w.dw1) + bytes_of(w.qkw) +
+         bytes_of(w.dd) + bytes_of(w.pre_w) + bytes_of(w.post_w);
+}
+
 /// One layer of the suite: B = 1 self-attention, width D, H heads, float.
 struct LayerShape {
   Index D, H;

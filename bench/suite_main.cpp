@@ -76,7 +76,8 @@ struct Plan {
   std::vector<Index> torch_lengths;             // 1 thread
   std::vector<Index> torch_lengths_2t;          // 2 threads
   Index decode_D = 1024, decode_H = 16;
-  std::vector<Index> decode_lengths;
+  std::vector<Index> decode_lengths;            // S of the step / recompute rows
+  std::vector<Index> bandwidth_lengths;         // S of the step / read-bandwidth rows
   std::vector<std::tuple<Index, Index, Index>> window_lengths;  // (long T, short T, window) of the window rows
   std::vector<Index> lsh_alone_lengths;         // LSH timed alone (dense MHA too big)
 };
@@ -96,6 +97,7 @@ Plan make_plan(const std::string& mode) {
     p.decode_D = 64;
     p.decode_H = 4;
     p.decode_lengths = {64};
+    p.bandwidth_lengths = {64};
     p.window_lengths = {{256, 64, 16}};
     return p;
   }
@@ -109,6 +111,7 @@ Plan make_plan(const std::string& mode) {
     p.torch_lengths = p.lengths;
     p.torch_lengths_2t = p.lengths;
     p.decode_lengths = {512, 2048, 8192};
+    p.bandwidth_lengths = p.decode_lengths;
     p.window_lengths = {{16384, 4096, 512}};
     p.lsh_alone_lengths = {16384};
     return p;
@@ -125,6 +128,7 @@ Plan make_plan(const std::string& mode) {
   p.torch_lengths = {256, 512, 1024, 2048};
   p.torch_lengths_2t = {1024};
   p.decode_lengths = {512, 2048};
+  p.bandwidth_lengths = {2048, 8192};
   p.window_lengths = {{4096, 1024, 128}};
   return p;
 }
@@ -210,8 +214,11 @@ Side step_side(const std::string& label, Layer layer, Index S, Index D, std::siz
 // (H/8 KV heads: an eighth of the cache).
 const std::vector<std::string> kDecoders = {"MHA", "MHA GQA", "TalkingHeads", "CollabHead", "DCMHA"};
 
-std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S, std::size_t& cache_bytes) {
+// `cache_bytes` and `weight_bytes`: what one step reads.
+std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S, std::size_t& cache_bytes,
+                                   std::size_t& weight_bytes) {
   auto with = [&](auto make) {
+    weight_bytes = bench::weight_bytes(make(s));
     return std::pair<Side, Side>{forward_side(v + " recompute", make(s), S, s.D),
                                  step_side(v + " step", make(s), S, s.D, cache_bytes)};
   };
@@ -224,6 +231,17 @@ std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, In
   if (v == "CollabHead") return with(bench::make_collab_head);
   if (v == "DCMHA") return with([](const LayerShape& l) { return bench::make_dcmha(l); });
   throw std::invalid_argument("no decoding for " + v);
+}
+
+// The bandwidth yardstick: reading `bytes` once, as a step at memory
+// bandwidth would (Eigen's vectorised sum over a buffer of that size, one
+// thread).
+Side read_side(std::size_t bytes) {
+  auto buf = std::make_shared<Vector<float>>(Vector<float>::Random(Index(bytes / sizeof(float))));
+  return {"read", [buf] {
+            float sum = buf->sum();
+            benchmark::DoNotOptimize(sum);
+          }};
 }
 
 double gemm_flops(Index T, Index D) { return 2.0 * double(T) * double(D) * 3.0 * double(D); }
@@ -456,12 +474,23 @@ class Suite {
 
   void decoding() {
     const LayerShape s{plan_.decode_D, plan_.decode_H, true, 1};
-    for (Index S : plan_.decode_lengths)
+    auto has = [](const std::vector<Index>& v, Index S) { return std::find(v.begin(), v.end(), S) != v.end(); };
+    std::vector<Index> lengths = plan_.decode_lengths;
+    for (Index S : plan_.bandwidth_lengths)
+      if (!has(lengths, S)) lengths.push_back(S);
+    for (Index S : lengths)
       for (const std::string& v : kDecoders) {
-        std::size_t cache_bytes = 0;
-        auto [recompute, step] = decode_sides(v, s, S, cache_bytes);
+        std::size_t cache_bytes = 0, weight_bytes = 0;
+        auto [recompute, step] = decode_sides(v, s, S, cache_bytes, weight_bytes);
         json p = {{"D", s.D}, {"H", s.H}, {"S", S}, {"variant", v}};
-        add("decode", p, recompute, step, true).extra["cache_bytes"] = cache_bytes;
+        if (has(plan_.decode_lengths, S)) add("decode", p, recompute, step, true).extra["cache_bytes"] = cache_bytes;
+        if (!has(plan_.bandwidth_lengths, S)) continue;
+        // The step against reading its bytes once: the share of the read
+        // bandwidth it reaches.
+        const std::size_t bytes = cache_bytes + weight_bytes;
+        Record& r = add("bandwidth", p, read_side(bytes), step, true);
+        r.extra["bytes_per_step"] = bytes;
+        r.extra["cache_bytes"] = cache_bytes;
       }
   }
 
@@ -572,6 +601,21 @@ void Suite::print_tables() const {
                 shape_text(r.params).c_str(), ms(r.r, r.r.b), ms(r.r, r.r.a),
                 r.extra["cache_bytes"].get<double>() / (1 << 20), ratio_text(r.r).c_str());
   });
+  bool bandwidth = false;
+  each("bandwidth", [&](const Record&) { bandwidth = true; });
+  if (bandwidth) {
+    std::printf("\n   The same steps against the read bandwidth: a step reads its weights and its cache once;\n"
+                "   'read' sums a buffer of those bytes (one thread). read / step = the share of the\n"
+                "   bandwidth the step reaches (1.00x: at bandwidth):\n");
+    std::printf("   %-13s %-22s %10s %9s %9s %9s  %-22s\n", "variant", "shape", "MiB/step", "step ms", "step GB/s",
+                "read GB/s", "read / step");
+    each("bandwidth", [](const Record& r) {
+      const double bytes = r.extra["bytes_per_step"].get<double>();
+      std::printf("   %-13s %-22s %10.2f %9.3f %9.2f %9.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                  shape_text(r.params).c_str(), bytes / (1 << 20), ms(r.r, r.r.b), bytes / ms(r.r, r.r.b) * 1e-6,
+                  bytes / ms(r.r, r.r.a) * 1e-6, ratio_text(r.r).c_str());
+    });
+  }
 
   bool windows = false;
   each("window", [&](const Record&) { windows = true; });

@@ -67,6 +67,7 @@ struct Shape {
   long window = 0;  // sliding window (with causal); 0 means none
   double pad_rate = 0;
   Index block_rows = 64;
+  Index key_block = 0;  // keys per online-softmax step; 0 = automatic
   int threads = 1;
 
   int out_dim() const { return out_proj ? out : H * Dv; }
@@ -79,7 +80,7 @@ std::string describe(const Shape& s) {
     << (s.cross ? " cross" : " self") << " cb=" << s.content_bias << " v_bias=" << s.v_bias << " ln=" << s.layer_norm
     << " mixing=" << static_cast<int>(s.mixing) << " scale=" << s.scale << " causal=" << s.causal
     << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " block_rows=" << s.block_rows
-    << " threads=" << s.threads;
+    << " key_block=" << s.key_block << " threads=" << s.threads;
   return o.str();
 }
 
@@ -130,6 +131,7 @@ struct Problem {
     o.window = s.window;
     if (s.scale != 0) o.scale = s.scale;
     o.block_rows = s.block_rows;
+    o.key_block = s.key_block;
     o.threads = s.threads;
     return o;
   }
@@ -263,6 +265,7 @@ TYPED_TEST(CollabHeadTest, RandomShapesMatchReference) {
     s.offset = s.causal ? uniform_int(rng, -3, 3) : 0;
     s.pad_rate = uniform_int(rng, 0, 2) == 0 ? 0.3 : 0.0;
     s.block_rows = block_choices[uniform_int(rng, 0, 4)];
+    s.key_block = uniform_int(rng, 0, 3);  // 1-3: several online-softmax steps per row
     s.threads = uniform_int(rng, 1, 3);
     expect_matches_reference(make_problem<TypeParam>(s, 1000 + n));
   }

@@ -169,6 +169,33 @@ TEST(Decoding, SizedStepAllocatesNothing) {
             0);
 }
 
+// A forward call on a sized Workspace allocates nothing either (without
+// exported weights, whose Tensor the call resizes), over several key blocks
+// and query blocks, causal with padding, on 1 and 2 threads.
+TEST(Decoding, SizedForwardAllocatesNothing) {
+  std::mt19937 rng(5);
+  const Index D = 32, H = 4, T = 150;
+  MhaWeights<float> w{random_linear<float>(D, D, rng), random_linear<float>(D, D, rng),
+                      random_linear<float>(D, D, rng), random_linear<float>(D, D, rng)};
+  const Tensor<float> x = random_batch<float>(2, T, D, rng);
+  std::vector<std::uint8_t> pad(2 * T, 0);
+  for (Index j = 0; j < 2 * T; j += 7) pad[j] = 1;
+  Tensor<float> y({2, T, D});
+  const AttentionInput<float> in{x.batch(), {}, {pad.data(), 2, T}};
+  for (int threads : {1, 2}) {
+    MhaOptions opt;
+    opt.num_heads = H, opt.causal = true, opt.key_block = 32, opt.block_rows = 16, opt.threads = threads;
+    Mha<float> layer(w, opt);
+    Workspace<float> ws;
+    layer.forward(in, y.batch(), ws);  // sizes the workspace (and starts the workers)
+    EXPECT_EQ(headmix_test::allocations_during([&] {
+                for (int t = 0; t < 3; ++t) layer.forward(in, y.batch(), ws);
+              }),
+              0)
+        << threads << " threads";
+  }
+}
+
 // The allocation check itself works, in this build type: an Eigen matrix
 // (std::malloc, seen through EIGEN_RUNTIME_NO_MALLOC) and a std::vector
 // (operator new) made inside the window are both counted.
@@ -784,8 +811,24 @@ TEST(Decoding, GroupedQueryCacheHoldsOnlyKvHeads) {
     const Mha<double> layer = random_gqa<double>(kv_heads, 0, D, dk, dv, 7, rng);
     SequenceCache<double> cache(B, cap);
     layer.step(x.batch(), cache, y.batch(), ws);
-    EXPECT_EQ(cache.stream(0, 0).cols(), kv_heads * dk) << kv_heads;
-    EXPECT_EQ(cache.stream(1, 0).cols(), kv_heads * dv) << kv_heads;
+    EXPECT_EQ(cache.stream(0).cols(), kv_heads * dk) << kv_heads;
+    EXPECT_EQ(cache.stream(1).cols(), kv_heads * dv) << kv_heads;
+    // Head-major: head g of item b holds that head's key and value of each
+    // position as one contiguous run (checked against x Wᵀ + b in loops).
+    const auto& w = layer.weights();
+    for (Index b = 0; b < B; ++b)
+      for (Index g = 0; g < kv_heads; ++g) {
+        const double* key = cache.head(0, b, g).data();
+        const double* value = cache.head(1, b, g).data();
+        EXPECT_EQ(cache.head(0, b, g).cols(), dk);
+        for (Index c = 0; c < dk + dv; ++c) {
+          const auto& lin = c < dk ? w.k : w.v;
+          const Index row = c < dk ? g * dk + c : g * dv + (c - dk);
+          double expect = lin.has_bias() ? lin.bias(row) : 0.0;
+          for (Index d = 0; d < D; ++d) expect += x[b * D + d] * lin.weight(row, d);
+          EXPECT_NEAR(c < dk ? key[c] : value[c - dk], expect, 1e-12) << "item " << b << " head " << g << " col " << c;
+        }
+      }
     EXPECT_EQ(cache.stream(0).size() + cache.stream(1).size(), B * cap * kv_heads * (dk + dv)) << kv_heads;
     if (kv_heads == 2) layer.step(x.batch(), two_groups, y.batch(), ws);
     if (kv_heads == 1) {

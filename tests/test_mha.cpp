@@ -54,6 +54,7 @@ struct Shape {
   long window = 0;        // sliding window (with causal); 0 means none
   double pad_rate = 0;    // chance that each key is padded
   Index block_rows = 64;
+  Index key_block = 0;    // keys per online-softmax step; 0 = automatic
   int threads = 1;
 
   int kv_heads() const { return Hkv > 0 ? Hkv : H; }
@@ -67,7 +68,7 @@ std::string describe(const Shape& s) {
     << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
     << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
     << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate
-    << " block_rows=" << s.block_rows << " threads=" << s.threads;
+    << " block_rows=" << s.block_rows << " key_block=" << s.key_block << " threads=" << s.threads;
   return o.str();
 }
 
@@ -98,6 +99,7 @@ struct Problem {
     o.causal_offset = s.offset;
     o.window = s.window;
     o.block_rows = s.block_rows;
+    o.key_block = s.key_block;
     o.threads = s.threads;
     return o;
   }
@@ -218,6 +220,7 @@ TYPED_TEST(MhaTest, RandomShapesMatchReference) {
     s.offset = s.causal ? uniform_int(rng, -3, 3) : 0;
     s.pad_rate = uniform_int(rng, 0, 2) == 0 ? 0.3 : 0.0;
     s.block_rows = block_choices[uniform_int(rng, 0, 4)];
+    s.key_block = uniform_int(rng, 0, 3);  // 1-3: several online-softmax steps per row
     s.threads = uniform_int(rng, 1, 3);
     expect_matches_reference(make_problem<TypeParam>(s, 1000 + n));
   }
@@ -881,6 +884,11 @@ TEST_F(BadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
 TEST_F(BadInput, NegativeBlockRows) {
   opt.block_rows = -1;
   EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
+}
+
+TEST_F(BadInput, NegativeKeyBlock) {
+  opt.key_block = -1;
+  EXPECT_SHAPE_ERROR(build(), "key_block", "expected >= 0", "got -1");
 }
 
 TEST_F(BadInput, ZeroThreads) {

@@ -163,28 +163,47 @@ const std::vector<Setting>& settings() {
   return s;
 }
 
+// Every setting, block size, key block (independent heads run keys in
+// blocks of run.key_block with an online softmax; mixing heads ignore it)
+// and thread count; with and without exported weights, which must not
+// change the output.
 template <class Policy>
 void check(const Policy& policy, const Tables& t, bool pre, bool post, bool independent) {
   std::vector<std::uint8_t> pad(kB * kS, 0);
   for (Index j = 0; j < kS; j += 4) pad[kS + j] = 1;  // item 1: every fourth key padded
   for (const Setting& s : settings())
     for (Index block : {Index(1), Index(4), Index(kT)})
-      for (int threads : {1, 3}) {
-        SCOPED_TRACE(std::string(s.name) + ", block_rows " + std::to_string(block) + ", threads " +
-                     std::to_string(threads));
-        std::vector<double> context(kB * kT * kValueHeads * kDv, -7.0);  // every entry must be written
-        Tensor<double> probs;
-        headmix::DenseRun<double> run;
-        run.batch = kB, run.queries = kT, run.keys = kS, run.mask = s.mask, run.block_rows = block;
-        run.threads = threads, run.context = context.data(), run.probs = &probs;
-        if (s.padded) run.padding = {pad.data(), kB, kS};
-        Workspace<double> ws;
-        headmix::run_dense_pipeline(policy, run, ws);
-        const Expected e = expected(t, s.mask, s.padded ? pad : std::vector<std::uint8_t>(kB * kS, 0), pre, post,
-                                    independent);
-        EXPECT_TRUE(all_close("context", context.data(), context.size(), e.out, {1e-12, 1e-12}));
-        EXPECT_TRUE(all_close("probs", probs, e.probs, {1e-12, 1e-12}));
-      }
+      for (Index key_block : {Index(1), Index(3), Index(512)})
+        for (int threads : {1, 3}) {
+          SCOPED_TRACE(std::string(s.name) + ", block_rows " + std::to_string(block) + ", key_block " +
+                       std::to_string(key_block) + ", threads " + std::to_string(threads));
+          const Expected e = expected(t, s.mask, s.padded ? pad : std::vector<std::uint8_t>(kB * kS, 0), pre, post,
+                                      independent);
+          std::vector<double> first;
+          for (bool export_probs : {true, false}) {
+            std::vector<double> context(kB * kT * kValueHeads * kDv, -7.0);  // every entry must be written
+            Tensor<double> probs;
+            headmix::DenseRun<double> run;
+            run.batch = kB, run.queries = kT, run.keys = kS, run.mask = s.mask, run.block_rows = block;
+            run.key_block = key_block, run.threads = threads, run.context = context.data();
+            if (export_probs) run.probs = &probs;
+            if (s.padded) run.padding = {pad.data(), kB, kS};
+            Workspace<double> ws;
+            headmix::run_dense_pipeline(policy, run, ws);
+            EXPECT_TRUE(all_close("context", context.data(), context.size(), e.out, {1e-12, 1e-12}));
+            if (export_probs) {
+              EXPECT_TRUE(all_close("probs", probs, e.probs, {1e-12, 1e-12}));
+              for (Index i = 0; i < probs.size(); ++i) {  // masked and padded keys: exactly 0
+                if (e.probs[i] == 0) {
+                  ASSERT_EQ(probs.data()[i], 0.0) << "weight " << i;
+                }
+              }
+              first = context;
+            } else {
+              EXPECT_EQ(context, first) << "exporting the weights changed the output";
+            }
+          }
+        }
 }
 
 TEST(DensePipeline, IndependentHeadsGetEveryOtherStageFromThePipeline) {
@@ -202,6 +221,50 @@ TEST(DensePipeline, MixesRunOnWholeTilesAroundTheMaskedSoftmax) {
       SCOPED_TRACE(std::string("pre ") + (pre ? "on" : "off") + ", post " + (post ? "on" : "off"));
       check(Mixing{&t, pre, post}, t, pre, post, false);
     }
+}
+
+// The online softmax against one pass over all keys, in float, on rows
+// whose maximum keeps growing (scores rise along the keys, so every block
+// rescales): the bound stated in core/online_softmax.hpp, (2 + blocks) ·
+// ε · max|v|, with ε of float.
+struct Rising {
+  const Matrix<float>* v;
+  Index score_heads() const { return 1; }
+  Index softmax_heads() const { return 1; }
+  Index value_heads() const { return 1; }
+  Index value_dim() const { return v->cols(); }
+  void score(Index, Index, Eigen::Map<Matrix<float>> out, Index q0, Index k0, Workspace<float>&, int) const {
+    for (Index r = 0; r < out.rows(); ++r)
+      for (Index c = 0; c < out.cols(); ++c)
+        out(r, c) = 0.01f * float(k0 + c) * float(1 + (q0 + r) % 5) + 0.5f * std::sin(float(k0 + c + q0 + r));
+  }
+  auto values(Index, Index, Index k0, Index count) const { return v->middleRows(k0, count); }
+};
+
+TEST(DensePipeline, OnlineSoftmaxStaysWithinItsBoundOfOnePass) {
+  Rng rng(5);
+  constexpr Index T = 7, S = 4096, dv = 8;
+  const Matrix<float> v = random_matrix<float>(rng, S, dv, 1.0);
+  auto run_with = [&](Index key_block) {
+    std::vector<float> context(T * dv);
+    headmix::DenseRun<float> run;
+    run.batch = 1, run.queries = T, run.keys = S, run.block_rows = T, run.key_block = key_block;
+    run.context = context.data();
+    Workspace<float> ws;
+    headmix::run_dense_pipeline(Rising{&v}, run, ws);
+    return context;
+  };
+  const std::vector<float> one_pass = run_with(S);
+  const float max_v = v.cwiseAbs().maxCoeff();
+  for (Index key_block : {Index(16), Index(512)}) {
+    const std::vector<float> online = run_with(key_block);
+    const double blocks = double(S / key_block);
+    const double bound = (2 + blocks) * std::numeric_limits<float>::epsilon() * max_v;
+    double worst = 0;
+    for (std::size_t i = 0; i < online.size(); ++i) worst = std::max(worst, double(std::abs(online[i] - one_pass[i])));
+    EXPECT_LE(worst, bound) << "key_block " << key_block;
+    EXPECT_GT(worst, 0.0) << "key_block " << key_block << ": the blocked path did not run";
+  }
 }
 
 }  // namespace

@@ -1,11 +1,13 @@
 // The score and readout stages of dot-product attention, shared by every
 // variant whose scores are Q_a K_aᵀ per head (MHA, Talking-Heads, DCMHA).
 //
-// Q, K and V are row-major [rows, heads · dim] buffers, batch item b's rows
-// starting at row b · queries (Q) and b · key_stride (K and V: a cache's
-// capacity, or S). Grouped-query attention maps heads onto fewer stored K/V
-// heads in contiguous groups: score head a reads K head a / k_group, value
-// head c reads V head c / v_group (groups of 1: one K/V head per head).
+// Q is a row-major [rows, heads · dim] buffer, batch item b's rows starting
+// at row b · queries. K and V are the same, with key_stride rows per item (a
+// cache's capacity, or S), or, with head_major_kv, [B, heads, key_stride,
+// dim] as a decoding cache stores them (sequence_cache.hpp). Grouped-query
+// attention maps heads onto fewer stored K/V heads in contiguous groups:
+// score head a reads K head a / k_group, value head c reads V head
+// c / v_group (groups of 1: one K/V head per head).
 #pragma once
 
 #include "headmix/core/types.hpp"
@@ -22,19 +24,24 @@ struct DotProductStages {
   Index q_heads = 1, k_heads = 1, v_heads = 1;  ///< heads stored in Q, K and V
   Index dk = 0, dv = 0;
   Index k_group = 1, v_group = 1;               ///< score heads per K head, value heads per V head
+  bool head_major_kv = false;                   ///< K and V as [B, heads, key_stride, dim]
 
   /// out [rows, cols] = Q_a[q0 .. q0 + rows) · K_{a / k_group}[k0 .. k0 + cols)ᵀ of batch item b.
   void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
     const ConstStridedMap<T> qa(q + (b * queries + q0) * q_heads * dk + a * dk, out.rows(), dk,
                                 Eigen::OuterStride<>(q_heads * dk));
-    const ConstStridedMap<T> ka(k + (b * key_stride + k0) * k_heads * dk + a / k_group * dk, out.cols(), dk,
-                                Eigen::OuterStride<>(k_heads * dk));
-    out.noalias() = qa * ka.transpose();
+    out.noalias() = qa * kv_rows(k, k_heads, dk, b, a / k_group, k0, out.cols()).transpose();
   }
   /// Rows [k0, k0 + count) of V_{c / v_group} of batch item b: [count, dv].
   ConstStridedMap<T> values(Index b, Index c, Index k0, Index count) const {
-    return ConstStridedMap<T>(v + (b * key_stride + k0) * v_heads * dv + c / v_group * dv, count, dv,
-                              Eigen::OuterStride<>(v_heads * dv));
+    return kv_rows(v, v_heads, dv, b, c / v_group, k0, count);
+  }
+
+ private:
+  ConstStridedMap<T> kv_rows(const T* base, Index heads, Index dim, Index b, Index h, Index k0, Index count) const {
+    if (head_major_kv)
+      return {base + ((b * heads + h) * key_stride + k0) * dim, count, dim, Eigen::OuterStride<>(dim)};
+    return {base + (b * key_stride + k0) * heads * dim + h * dim, count, dim, Eigen::OuterStride<>(heads * dim)};
   }
 };
 

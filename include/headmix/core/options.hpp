@@ -32,6 +32,7 @@ struct DenseOptions {
   Index window = 0;             ///< > 0 (needs causal): query i sees only its last `window` keys, itself included
   std::optional<double> scale;  ///< default: the variant's (1/sqrt(head_dim) unless it says otherwise)
   Index block_rows = 0;         ///< query rows per pipeline task; 0 = chosen from heads, keys and window
+  Index key_block = 0;          ///< keys per online-softmax step where heads run alone; 0 = automatic
   int threads = 1;              ///< worker threads; results do not depend on it
 
   /// The mask of a forward call.
@@ -55,9 +56,15 @@ struct DenseOptions {
     return std::clamp<Index>(budget / std::max<Index>(1, resident_heads * keys), 16, cap);
   }
 
+  /// Keys per online-softmax step (core/online_softmax.hpp): 512 unless
+  /// set. A [64, 512] float tile is 128 KiB, and so are a head's K and V
+  /// blocks: together they stay in a 1 MiB L2.
+  Index keys_per_block() const { return key_block > 0 ? key_block : 512; }
+
   /// Throws shape_error naming `variant` and the offending option.
   void validate(const std::string& variant) const {
     check_value(block_rows >= 0, variant, "block_rows", ">= 0 (0 = automatic)", block_rows);
+    check_value(key_block >= 0, variant, "key_block", ">= 0 (0 = automatic)", key_block);
     check_value(threads >= 1, variant, "threads", ">= 1", threads);
     check_value(window >= 0, variant, "window", ">= 0", window);
     check_value(window == 0 || causal, variant, "window", "0 unless causal (a window needs causal = true)", window);

@@ -26,8 +26,10 @@
 //                                  const T* key_bias, Workspace<T>&, worker);
 //
 // A policy without has_pre_mix / has_post_mix has independent heads: the
-// pipeline finishes each head while its tile is in cache, and the mixing
-// paths are not compiled for it.
+// pipeline runs each head alone, over blocks of run.key_block keys with an
+// online softmax (core/online_softmax.hpp), so its tile stays in cache at
+// any length, and the mixing paths are not compiled for it. Mixing heads
+// need every key of a row at once: their tiles span the block's keys.
 //
 // Projections happen before the pipeline (as GEMMs over all B·T rows) and
 // the output projection after it.
@@ -35,6 +37,7 @@
 
 #include "headmix/core/attention_tensor.hpp"
 #include "headmix/core/mask.hpp"
+#include "headmix/core/online_softmax.hpp"
 #include "headmix/core/parallel.hpp"
 #include "headmix/core/softmax.hpp"
 #include "headmix/core/workspace.hpp"
@@ -66,6 +69,7 @@ struct DenseRun {
   int threads = 1;
   T* context = nullptr;        ///< out: [B·T, value_heads·value_dim], row-major
   Tensor<T>* probs = nullptr;  ///< out, optional: resized to [B, value_heads, T, S], the final weights
+  Index key_block = 512;       ///< keys per online-softmax step when heads run alone
 };
 
 /// Size every worker's tiles for blocks of up to `block_rows` queries over
@@ -73,15 +77,18 @@ struct DenseRun {
 /// key counts (decoding steps over a cache) allocates nothing. `planes`: the
 /// [rows, keys] planes a worker holds at once, 1 when heads run one at a
 /// time, else max(score, softmax, value heads). `second_tile`: the policy
-/// mixes in stages of their own, which write to a second tile.
+/// mixes in stages of their own, which write to a second tile. `key_block`
+/// > 0: heads run alone over blocks of that many keys (the online softmax).
 template <class T>
 void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool second_tile, Index block_rows,
-                         Index keys) {
+                         Index keys, Index key_block = 0) {
+  const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys;
   ws.reserve_workers(std::max(1, threads));
   for (int w = 0; w < std::max(1, threads); ++w) {
     ws.local(w, slot::key_bias, keys);
-    ws.local(w, slot::tile_a, planes * block_rows * keys);
-    if (second_tile) ws.local(w, slot::tile_b, planes * block_rows * keys);
+    ws.local(w, slot::row_stats, 2 * block_rows);
+    ws.local(w, slot::tile_a, planes * block_rows * tile_keys);
+    if (second_tile) ws.local(w, slot::tile_b, planes * block_rows * tile_keys);
   }
 }
 
@@ -99,7 +106,10 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     run.probs->resize({run.batch, hv, T_, S});
     probs = run.probs->data();
   }
-  ws.reserve_workers(std::max(1, run.threads));
+  // Every worker's scratch before the parallel region: a worker that ran no
+  // task in one call must not allocate in the next.
+  reserve_dense_tiles(ws, run.threads, mixes ? tile_heads : 1, mixes && !fuses_mix_softmax<Policy>::value,
+                      std::min(block, T_), S, mixes ? 0 : std::max<Index>(1, run.key_block));
 
   parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
     const Index b = task / blocks, q0 = (task % blocks) * block, rows = std::min(block, T_ - q0);
@@ -129,12 +139,30 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       }
     };
 
-    if (!mixes) {  // heads are independent: finish each while its tile is in cache
-      Eigen::Map<Matrix<T>> tile(ws.local(w, slot::tile_a, rows * cols), rows, cols);
+    if (!mixes) {  // heads are independent: each runs alone, over blocks of keys
+      const Index key_block = std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
+      T* buf = ws.local(w, slot::tile_a, rows * key_block);
+      auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, rows, std::min(key_block, k1 - kb)); };
       for (Index h = 0; h < hv; ++h) {
-        if (cols > 0) policy.score(b, h, tile, q0, k0, ws, w);
-        masked_softmax_head<T>(tile, q0, k0, S, run.mask, bias);
-        emit(h, tile);
+        auto out = context.block(b * T_ + q0, h * dv, rows, dv);
+        out.setZero();
+        OnlineSoftmax<T> softmax(ws.local(w, slot::row_stats, 2 * rows), rows);
+        for (Index kb = k0; kb < k1; kb += key_block) {
+          auto t = tile(kb);
+          policy.score(b, h, t, q0, kb, ws, w);
+          softmax.absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
+          out.noalias() += t * policy.values(b, h, kb, t.cols());
+        }
+        softmax.finish(out);
+        if (!probs) continue;
+        T* dst = probs + ((b * hv + h) * T_ + q0) * S;
+        std::fill(dst, dst + rows * S, T(0));
+        for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
+          auto t = tile(kb);
+          policy.score(b, h, t, q0, kb, ws, w);
+          softmax.weights(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr);
+          for (Index r = 0; r < rows; ++r) std::copy_n(t.row(r).data(), t.cols(), dst + r * S + kb);
+        }
       }
       return;
     }

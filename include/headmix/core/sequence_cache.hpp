@@ -4,11 +4,18 @@
 // position (MHA: K and V; CollabHead: shared keys and content bias; DCMHA
 // also its key-side dynamic factors). Memory is reserved once; steps then
 // write new rows in place and allocate nothing.
+//
+// A stream of per-head rows (K and V) may be stored head-major, as
+// [batch][head][capacity][width / heads]: a decoding step then reads each
+// head's keys and values as one contiguous run, which the hardware
+// prefetchers stream at full bandwidth, instead of a head_dim slice of
+// every position's row.
 #pragma once
 
 #include "headmix/core/error.hpp"
 #include "headmix/core/types.hpp"
 
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,16 +63,27 @@ class SequenceCache {
     return n;
   }
 
-  /// The layer declares its streams; a cache set up for other widths, or for
-  /// another layer, is an error naming both.
-  void bind(const char* variant, const Shape& widths) {
+  /// The layer declares its streams' widths and, optionally, how many heads
+  /// each splits into (stored head-major; none given: 1 per stream); a cache
+  /// set up for other widths or heads, or for another layer, is an error
+  /// naming both.
+  void bind(const char* variant, const Shape& widths, const Shape& heads = {}) {
+    HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());
+    auto heads_of = [&](std::size_t s) { return heads.rank() == 0 ? Index(1) : heads[s]; };
     if (streams_.empty() && size_ == 0) {
       widths_ = widths;
       streams_.resize(widths.rank());
-      for (std::size_t s = 0; s < widths.rank(); ++s) streams_[s].resize(batch_ * capacity_ * widths[s]);
+      for (std::size_t s = 0; s < widths.rank(); ++s) {
+        heads_[s] = heads_of(s);
+        streams_[s].resize(batch_ * capacity_ * widths[s]);
+      }
       return;
     }
     check_shape(variant, "cache stream widths", widths, widths_);
+    for (std::size_t s = 0; s < widths.rank(); ++s)
+      if (heads_of(s) != heads_[s])
+        detail::throw_shape(variant, "cache stream " + std::to_string(s) + " heads", std::to_string(heads_[s]),
+                            std::to_string(heads_of(s)));
   }
   /// Throws cache_full_error if n more positions do not fit.
   void check_room(const char* variant, Index n) const {
@@ -73,11 +91,19 @@ class SequenceCache {
       throw cache_full_error(std::string("[") + variant + "] cache: " + std::to_string(n) + " new positions do not fit (" +
                              std::to_string(size_) + " of " + std::to_string(capacity_) + " used)");
   }
-  /// Stream s of batch item b, all `capacity` rows ([capacity, width]).
+  /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
+  /// a stream bound with one head.
   MatrixMap<T> stream(std::size_t s, Index b) {
+    HEADMIX_ASSERT(heads_[s] == 1);
     return MatrixMap<T>(streams_[s].data() + b * capacity_ * widths_[s], capacity_, widths_[s]);
   }
-  /// Stream s for all batch items as one [batch * capacity, width] matrix.
+  /// Head h of stream s for batch item b: [capacity, width / heads].
+  MatrixMap<T> head(std::size_t s, Index b, Index h) {
+    const Index dim = widths_[s] / heads_[s];
+    return MatrixMap<T>(streams_[s].data() + (b * heads_[s] + h) * capacity_ * dim, capacity_, dim);
+  }
+  /// Stream s for all batch items as one [batch * capacity, width] block of
+  /// memory (head-major streams: in head-major order).
   MatrixMap<T> stream(std::size_t s) {
     return MatrixMap<T>(streams_[s].data(), batch_ * capacity_, widths_[s]);
   }
@@ -87,6 +113,7 @@ class SequenceCache {
  private:
   Index batch_ = 0, capacity_ = 0, size_ = 0;
   Shape widths_;
+  std::array<Index, Shape::kMaxRank> heads_{};  ///< per stream: heads, stored head-major
   std::vector<Vector<T>> streams_;
 };
 

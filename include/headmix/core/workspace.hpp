@@ -67,7 +67,7 @@ class Workspace {
 /// that starts at slot::variant (shared) or slot::local_variant (per worker).
 namespace slot {
 enum : std::size_t { query = 0, key, value, context, variant = 8 };
-enum : std::size_t { tile_a = 0, tile_b, key_bias, local_variant = 8 };
+enum : std::size_t { tile_a = 0, tile_b, key_bias, row_stats, local_variant = 8 };
 }  // namespace slot
 
 }  // namespace headmix

@@ -266,7 +266,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     project_rows<T>(Unbiased{w_.q}, x.rows(), q, opt_.threads);
     mix = scale() * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
 
-    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs};
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
     run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run, ws);
 
     // With a LayerNorm, the pre-norm rows go to the Workspace: its buffers'

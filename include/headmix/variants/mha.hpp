@@ -12,7 +12,7 @@
 //
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q [B·T, H·Dk] + K [B·S, Hkv·Dk] + V [B·S, Hkv·Dv] + context [B·T, H·Dv]
-//   + per worker thread: block_rows · S (one head's tile) + S (padding bias)
+//   + per worker thread: block_rows · min(S, key_block) (one head's tile) + S (padding bias)
 // values, so attention memory grows with block_rows · S, never H · T · S.
 #pragma once
 
@@ -114,15 +114,21 @@ class Mha : public LayerForms<Mha<T>, T> {
     const Index B = x.batch(), n = x.length(), Hkv = num_kv_heads(), past = cache.size();
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
-    cache.bind(kName, {Hkv * head_dim(), Hkv * v_head_dim()});
+    const Index dk = head_dim(), dv = v_head_dim();
+    cache.bind(kName, {Hkv * dk, Hkv * dv}, {Hkv, Hkv});  // head-major: a step streams each head's run
     cache.check_room(kName, n);
     reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity());
+    MatrixMap<T> k = ws.shared_matrix(slot::key, n, Hkv * dk), v = ws.shared_matrix(slot::value, n, Hkv * dv);
     for (Index b = 0; b < B; ++b) {
-      w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
-      w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
+      w_.k.apply(x.item(b), k);
+      w_.v.apply(x.item(b), v);
+      for (Index g = 0; g < Hkv; ++g) {
+        cache.head(0, b, g).middleRows(past, n) = k.middleCols(g * dk, dk);
+        cache.head(1, b, g).middleRows(past, n) = v.middleCols(g * dv, dv);
+      }
     }
-    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws,
-           probs);
+    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws, probs,
+           true);
     cache.advance(n);
   }
 
@@ -138,19 +144,22 @@ class Mha : public LayerForms<Mha<T>, T> {
 
  private:
   // Project the queries, run the pipeline over keys/values `k`, `v` (batch
-  // item b's S rows start at row b * key_stride), project the output.
+  // item b's S rows start at row b * key_stride; `head_major`: stored as a
+  // cache stores them, see DotProductStages), project the output.
   void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, Index S, Index key_stride, const PositionMask& mask,
-              const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs) const {
+              const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs,
+              bool head_major = false) const {
     const Index B = x.batch(), T_ = x.length(), H = num_heads(), dk = head_dim(), dv = v_head_dim();
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();  // fold the scale into Q once instead of into every score
 
-    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs};
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
     const Index Hkv = num_kv_heads();
-    run_dense_pipeline(Policy{{q.data(), k.data(), v.data(), T_, key_stride, H, Hkv, Hkv, dk, dv, H / Hkv, H / Hkv}},
-                       run, ws);
+    run_dense_pipeline(
+        Policy{{q.data(), k.data(), v.data(), T_, key_stride, H, Hkv, Hkv, dk, dv, H / Hkv, H / Hkv, head_major}}, run,
+        ws);
 
     if (w_.o.empty())
       out.rows() = ctx;

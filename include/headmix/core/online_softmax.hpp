@@ -1,0 +1,117 @@
+// The masked softmax and readout of one head, a block of keys at a time
+// (Milakov & Gimelshein's online normaliser, as in FlashAttention): the
+// working set is [rows, key_block] scores plus [rows, dv] output, whatever
+// the number of keys, so a head's tile stays in L1/L2 at any length.
+//
+// Each row keeps its running maximum m and the running sum l of
+// exp(score - m) over the keys seen so far. A new block's scores become
+// exp(score - m'), with m' the new maximum, and the output and l already
+// accumulated are rescaled by exp(m - m'). After the last block the output
+// row is divided by l. Against the two-pass softmax (max, then exp and sum,
+// then readout) this adds one rounding per block in which a row's maximum
+// grows: on a row whose output is a convex combination of value rows, the
+// difference is at most about (2 + blocks) · ε · max|v| (ε of T), tested
+// in tests/test_pipeline.cpp.
+#pragma once
+
+#include "headmix/core/mask.hpp"
+#include "headmix/core/types.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+namespace headmix {
+
+template <class T>
+class OnlineSoftmax {
+ public:
+  /// `stats` holds 2 · rows values: the running maxima, then the sums.
+  OnlineSoftmax(T* stats, Index rows) : max_(stats, rows), sum_(stats + rows, rows) {
+    max_.setConstant(-std::numeric_limits<T>::infinity());
+    sum_.setZero();
+  }
+
+  /// Turn one block of raw scores into unnormalised weights, in place:
+  /// exp(score + bias - m) on the keys a row sees, exactly 0 elsewhere, with
+  /// m the row's new running maximum. Rows of `out` (the readout so far) are
+  /// rescaled to that maximum, so that `out += tile · V_block` stays
+  /// consistent. `first_key`: the block's first key among `num_keys`;
+  /// `key_bias` (nullable): the block's padding bias.
+  template <class Out>
+  void absorb(Eigen::Map<Matrix<T>> tile, Index first_query, Index first_key, Index num_keys,
+              const PositionMask& mask, const T* key_bias, Out& out) {
+    constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+    for (Index r = 0; r < tile.rows(); ++r) {
+      const auto [lo, hi] = mask_row(tile, r, first_query, first_key, num_keys, mask);
+      if (hi == lo) continue;
+      auto seg = tile.row(r).array().segment(lo, hi - lo);
+      const RowArray bias(key_bias ? key_bias + lo : nullptr, hi - lo);
+      if (key_bias) seg += bias;
+      const T block_max = seg.maxCoeff();
+      if (block_max == neg_inf) {  // every key this row sees in the block is padded
+        seg.setZero();
+        continue;
+      }
+      // A NaN score leaves the maximum alone and reaches the sum through
+      // exp, so the row's output comes out NaN, as with the two-pass softmax.
+      const T old_max = max_(r), new_max = std::max(old_max, block_max);
+      if (new_max > old_max && old_max != neg_inf) {
+        const T shrink = std::exp(old_max - new_max);
+        sum_(r) *= shrink;
+        out.row(r) *= shrink;
+      }
+      max_(r) = new_max;
+      seg = (seg - new_max).exp();
+      // Vectorised exp clamps its argument, so exp(-inf) is ~1e-38, not 0:
+      // padded keys are zeroed explicitly.
+      if (key_bias) seg = (bias == T(0)).select(seg, T(0));
+      sum_(r) += seg.sum();
+    }
+  }
+
+  /// Divide each output row by its sum; a row that saw no key stays 0.
+  template <class Out>
+  void finish(Out& out) const {
+    for (Index r = 0; r < out.rows(); ++r)
+      if (sum_(r) != T(0)) out.row(r) *= T(1) / sum_(r);
+  }
+
+  /// After the last block: the final weights of one block of raw scores, in
+  /// place (to export them), from the rows' final maxima and sums.
+  void weights(Eigen::Map<Matrix<T>> tile, Index first_query, Index first_key, Index num_keys,
+               const PositionMask& mask, const T* key_bias) const {
+    for (Index r = 0; r < tile.rows(); ++r) {
+      const auto [lo, hi] = mask_row(tile, r, first_query, first_key, num_keys, mask);
+      auto seg = tile.row(r).array().segment(lo, hi - lo);
+      if (sum_(r) == T(0)) {
+        seg.setZero();
+        continue;
+      }
+      const RowArray bias(key_bias ? key_bias + lo : nullptr, hi - lo);
+      if (key_bias) seg += bias;
+      seg = (seg - max_(r)).exp() * (T(1) / sum_(r));
+      if (key_bias) seg = (bias == T(0)).select(seg, T(0));
+    }
+  }
+
+ private:
+  using RowArray = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>;
+
+  // Zero the tile columns row r cannot see; return the ones it can, [lo, hi).
+  static std::pair<Index, Index> mask_row(Eigen::Map<Matrix<T>>& tile, Index r, Index first_query,
+                                          Index first_key, Index num_keys, const PositionMask& mask) {
+    const Index cols = tile.cols();
+    auto [lo, hi] = mask.key_range(first_query + r, num_keys);
+    lo = std::clamp<Index>(lo - first_key, 0, cols);
+    hi = std::clamp<Index>(hi - first_key, lo, cols);
+    tile.row(r).head(lo).setZero();
+    tile.row(r).tail(cols - hi).setZero();
+    return {lo, hi};
+  }
+
+  Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> max_, sum_;
+};
+
+}  // namespace headmix
