@@ -13,6 +13,7 @@
 // weights, for causal + offset, windows, key padding, fully masked rows
 // (zeros), several block sizes and thread counts.
 
+#include "headmix/core/dot_product.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "test_util.hpp"
 
@@ -264,6 +265,72 @@ TEST(DensePipeline, OnlineSoftmaxStaysWithinItsBoundOfOnePass) {
     for (std::size_t i = 0; i < online.size(); ++i) worst = std::max(worst, double(std::abs(online[i] - one_pass[i])));
     EXPECT_LE(worst, bound) << "key_block " << key_block;
     EXPECT_GT(worst, 0.0) << "key_block " << key_block << ": the blocked path did not run";
+  }
+}
+
+// Grouped-query dot-product attention through DotProductStages: four query
+// heads over two K/V heads. Blocks of one query row take the stacked path
+// (a group's heads as the rows of one tile); taller blocks run head by head.
+// Both against loops over Q, K and V.
+struct GroupedDot : headmix::DotProductStages<double> {
+  Index score_heads() const { return q_heads; }
+  Index softmax_heads() const { return q_heads; }
+  Index value_heads() const { return q_heads; }
+  Index value_dim() const { return dv; }
+};
+static_assert(headmix::stacks_heads<GroupedDot>::value);
+
+TEST(DensePipeline, GroupedQueryHeadsStackedOrOneByOne) {
+  constexpr Index H = 4, Hkv = 2, dk = 3, dv = 2;
+  Rng rng(6);
+  const Matrix<double> q = random_matrix<double>(rng, kB * kT, H * dk, 1.5);
+  const Matrix<double> k = random_matrix<double>(rng, kB * kS, Hkv * dk, 1.5);
+  const Matrix<double> v = random_matrix<double>(rng, kB * kS, Hkv * dv, 1.0);
+  GroupedDot policy;
+  policy.q = q.data(), policy.k = k.data(), policy.v = v.data(), policy.queries = kT, policy.key_stride = kS;
+  policy.q_heads = H, policy.k_heads = Hkv, policy.v_heads = Hkv, policy.dk = dk, policy.dv = dv;
+  policy.k_group = H / Hkv, policy.v_group = H / Hkv;
+  std::vector<std::uint8_t> pad(kB * kS, 0);
+  for (Index j = 0; j < kS; j += 3) pad[j] = 1;  // item 0: every third key padded
+  for (const Setting& s : settings()) {
+    // Expected output and weights, in loops.
+    std::vector<double> out(kB * kT * H * dv, 0.0), weights(kB * H * kT * kS, 0.0);
+    for (Index b = 0; b < kB; ++b)
+      for (Index h = 0; h < H; ++h)
+        for (Index i = 0; i < kT; ++i) {
+          const auto [lo, hi] = s.mask.key_range(i, kS);
+          std::vector<double> logit(kS, -std::numeric_limits<double>::infinity());
+          double top = -std::numeric_limits<double>::infinity();
+          for (Index j = lo; j < hi; ++j) {
+            if (s.padded && pad[b * kS + j]) continue;
+            double dot = 0;
+            for (Index d = 0; d < dk; ++d) dot += q(b * kT + i, h * dk + d) * k(b * kS + j, h / 2 * dk + d);
+            top = std::max(top, logit[j] = dot);
+          }
+          if (std::isinf(top)) continue;
+          double sum = 0;
+          for (Index j = 0; j < kS; ++j) sum += std::exp(logit[j] - top);
+          for (Index j = 0; j < kS; ++j) {
+            const double p = std::exp(logit[j] - top) / sum;
+            weights[((b * H + h) * kT + i) * kS + j] = p;
+            for (Index d = 0; d < dv; ++d) out[(b * kT + i) * H * dv + h * dv + d] += p * v(b * kS + j, h / 2 * dv + d);
+          }
+        }
+    for (Index block : {Index(1), Index(4)})
+      for (Index key_block : {Index(1), Index(4), Index(512)}) {
+        SCOPED_TRACE(std::string(s.name) + ", block_rows " + std::to_string(block) + ", key_block " +
+                     std::to_string(key_block));
+        std::vector<double> context(kB * kT * H * dv, -7.0);
+        Tensor<double> probs;
+        headmix::DenseRun<double> run;
+        run.batch = kB, run.queries = kT, run.keys = kS, run.mask = s.mask, run.block_rows = block;
+        run.key_block = key_block, run.threads = 2, run.context = context.data(), run.probs = &probs;
+        if (s.padded) run.padding = {pad.data(), kB, kS};
+        Workspace<double> ws;
+        headmix::run_dense_pipeline(policy, run, ws);
+        EXPECT_TRUE(all_close("context", context.data(), context.size(), out, {1e-12, 1e-12}));
+        EXPECT_TRUE(all_close("probs", probs, weights, {1e-12, 1e-12}));
+      }
   }
 }
 

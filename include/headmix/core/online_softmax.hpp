@@ -27,8 +27,11 @@ namespace headmix {
 template <class T>
 class OnlineSoftmax {
  public:
-  /// `stats` holds 2 · rows values: the running maxima, then the sums.
-  OnlineSoftmax(T* stats, Index rows) : max_(stats, rows), sum_(stats + rows, rows) {
+  /// A view of `stats`, 2 · rows values: the running maxima, then the sums.
+  OnlineSoftmax(T* stats, Index rows) : max_(stats, rows), sum_(stats + rows, rows) {}
+
+  /// Forget every key: call before a row's first block.
+  void start() {
     max_.setConstant(-std::numeric_limits<T>::infinity());
     sum_.setZero();
   }
@@ -39,12 +42,14 @@ class OnlineSoftmax {
   /// rescaled to that maximum, so that `out += tile · V_block` stays
   /// consistent. `first_key`: the block's first key among `num_keys`;
   /// `key_bias` (nullable): the block's padding bias.
+  /// `query_stride`: row r is query first_query + r · query_stride (0:
+  /// every row the same query, as when the rows are heads).
   template <class Out>
   void absorb(Eigen::Map<Matrix<T>> tile, Index first_query, Index first_key, Index num_keys,
-              const PositionMask& mask, const T* key_bias, Out& out) {
+              const PositionMask& mask, const T* key_bias, Out& out, Index query_stride = 1) {
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
     for (Index r = 0; r < tile.rows(); ++r) {
-      const auto [lo, hi] = mask_row(tile, r, first_query, first_key, num_keys, mask);
+      const auto [lo, hi] = mask_row(tile, r, first_query + r * query_stride, first_key, num_keys, mask);
       if (hi == lo) continue;
       auto seg = tile.row(r).array().segment(lo, hi - lo);
       const RowArray bias(key_bias ? key_bias + lo : nullptr, hi - lo);
@@ -81,9 +86,9 @@ class OnlineSoftmax {
   /// After the last block: the final weights of one block of raw scores, in
   /// place (to export them), from the rows' final maxima and sums.
   void weights(Eigen::Map<Matrix<T>> tile, Index first_query, Index first_key, Index num_keys,
-               const PositionMask& mask, const T* key_bias) const {
+               const PositionMask& mask, const T* key_bias, Index query_stride = 1) const {
     for (Index r = 0; r < tile.rows(); ++r) {
-      const auto [lo, hi] = mask_row(tile, r, first_query, first_key, num_keys, mask);
+      const auto [lo, hi] = mask_row(tile, r, first_query + r * query_stride, first_key, num_keys, mask);
       auto seg = tile.row(r).array().segment(lo, hi - lo);
       if (sum_(r) == T(0)) {
         seg.setZero();
@@ -99,11 +104,12 @@ class OnlineSoftmax {
  private:
   using RowArray = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>;
 
-  // Zero the tile columns row r cannot see; return the ones it can, [lo, hi).
-  static std::pair<Index, Index> mask_row(Eigen::Map<Matrix<T>>& tile, Index r, Index first_query,
-                                          Index first_key, Index num_keys, const PositionMask& mask) {
+  // Zero the tile columns that row r, query `query`, cannot see; return the
+  // ones it can, [lo, hi).
+  static std::pair<Index, Index> mask_row(Eigen::Map<Matrix<T>>& tile, Index r, Index query, Index first_key,
+                                          Index num_keys, const PositionMask& mask) {
     const Index cols = tile.cols();
-    auto [lo, hi] = mask.key_range(first_query + r, num_keys);
+    auto [lo, hi] = mask.key_range(query, num_keys);
     lo = std::clamp<Index>(lo - first_key, 0, cols);
     hi = std::clamp<Index>(hi - first_key, lo, cols);
     tile.row(r).head(lo).setZero();

@@ -43,16 +43,20 @@ struct DenseOptions {
 
   /// Query rows per pipeline task when up to `keys` keys are in view and
   /// `resident_heads` [rows, keys] tiles of `element_bytes` coexist (1 for
-  /// variants whose heads run one at a time). GEMMs want many rows (below
-  /// ~16 their packing dominates), the tiles want few: 64 rows, fewer once
-  /// the tiles pass 8 MiB. A block computes every key of its window range,
-  /// rows + window - 1 of them, so with a window the block is no taller than
-  /// max(window, 16): cost O(T · max(window, 16)).
+  /// variants whose heads run one at a time). GEMMs want many rows: each
+  /// block packs every head's K and V again, about 1/rows of its GEMMs, and
+  /// resident tiles of H · rows · S are past L2 at any useful row count once
+  /// S passes a few hundred keys, so small blocks buy no cache residency
+  /// (12 heads, S = 4096: 42 rows cost ~10% more than 64, 16 rows ~40%).
+  /// So: 64 rows, fewer only once the tiles pass 32 MiB. A block computes
+  /// every key of its window range, rows + window - 1 of them, so with a
+  /// window the block is no taller than max(window, 16): cost
+  /// O(T · max(window, 16)).
   Index rows_per_block(Index resident_heads, Index keys, std::size_t element_bytes) const {
     if (block_rows > 0) return block_rows;
     const Index cap = window > 0 ? std::clamp<Index>(window, 16, 64) : 64;
     if (resident_heads <= 1) return cap;
-    const Index budget = (Index(8) << 20) / static_cast<Index>(element_bytes);
+    const Index budget = (Index(32) << 20) / static_cast<Index>(element_bytes);
     return std::clamp<Index>(budget / std::max<Index>(1, resident_heads * keys), 16, cap);
   }
 

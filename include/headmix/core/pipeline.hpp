@@ -59,6 +59,25 @@ struct mixes_heads : std::false_type {};
 template <class P>
 struct mixes_heads<P, std::void_t<decltype(&P::has_pre_mix), decltype(&P::has_post_mix)>> : std::true_type {};
 
+/// How many consecutive heads read the same K and V (grouped-query
+/// attention): a policy says so with kv_sharing_heads(); else 1.
+template <class P, class = void>
+struct has_kv_sharing : std::false_type {};
+template <class P>
+struct has_kv_sharing<P, std::void_t<decltype(&P::kv_sharing_heads)>> : std::true_type {};
+template <class P>
+Index kv_sharing_heads(const P& policy) {
+  if constexpr (has_kv_sharing<P>::value) return policy.kv_sharing_heads();
+  return 1;
+}
+
+/// Whether a policy scores several KV-sharing heads of one query at once
+/// (DotProductStages::score_group).
+template <class P, class = void>
+struct stacks_heads : std::false_type {};
+template <class P>
+struct stacks_heads<P, std::void_t<decltype(&P::score_group)>> : std::true_type {};
+
 /// What one call of the pipeline works on.
 template <class T>
 struct DenseRun {
@@ -78,19 +97,60 @@ struct DenseRun {
 /// [rows, keys] planes a worker holds at once, 1 when heads run one at a
 /// time, else max(score, softmax, value heads). `second_tile`: the policy
 /// mixes in stages of their own, which write to a second tile. `key_block`
-/// > 0: heads run alone over blocks of that many keys (the online softmax).
+/// > 0: heads run alone over blocks of that many keys (the online softmax),
+/// `group` of them at a time (kv_sharing_heads).
 template <class T>
 void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool second_tile, Index block_rows,
-                         Index keys, Index key_block = 0) {
+                         Index keys, Index key_block = 0, Index group = 1) {
   const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys;
   ws.reserve_workers(std::max(1, threads));
   for (int w = 0; w < std::max(1, threads); ++w) {
     ws.local(w, slot::key_bias, keys);
-    ws.local(w, slot::row_stats, 2 * block_rows);
-    ws.local(w, slot::tile_a, planes * block_rows * tile_keys);
+    ws.local(w, slot::row_stats, 2 * block_rows * group);
+    ws.local(w, slot::tile_a, std::max(planes * block_rows, group) * tile_keys);
     if (second_tile) ws.local(w, slot::tile_b, planes * block_rows * tile_keys);
   }
 }
+
+namespace detail {
+/// One query row of every head, `group` heads at a time stacked as the rows
+/// of one tile: they share each K and V block, so a score block is one GEMM
+/// and a readout block another, where one head at a time would make them
+/// matrix-vector products. `context_row`: the query's [heads · dv] output,
+/// which holds the group's outputs as a [group, dv] matrix; `probs`
+/// (nullable): head 0's row of exported weights, `head_stride` apart per
+/// head.
+template <class T, class Policy>
+void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1, Index S, const PositionMask& mask,
+                    const T* bias, Index key_block, Index group, T* context_row, T* probs, Index head_stride,
+                    Workspace<T>& ws, int w) {
+  const Index hv = policy.value_heads(), dv = policy.value_dim();
+  T* buf = ws.local(w, slot::tile_a, group * key_block);
+  OnlineSoftmax<T> softmax(ws.local(w, slot::row_stats, 2 * group), group);
+  for (Index h0 = 0; h0 < hv; h0 += group) {
+    const Index n_heads = std::min(group, hv - h0);
+    auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, n_heads, std::min(key_block, k1 - kb)); };
+    Eigen::Map<Matrix<T>> out(context_row + h0 * dv, n_heads, dv);
+    out.setZero();
+    softmax.start();
+    for (Index kb = k0; kb < k1; kb += key_block) {
+      auto t = tile(kb);
+      policy.score_group(b, h0, n_heads, t, q0, kb);
+      softmax.absorb(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, out, 0);
+      out.noalias() += t * policy.values(b, h0, kb, t.cols());
+    }
+    softmax.finish(out);
+    if (!probs) continue;
+    for (Index i = 0; i < n_heads; ++i) std::fill_n(probs + (h0 + i) * head_stride, S, T(0));
+    for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
+      auto t = tile(kb);
+      policy.score_group(b, h0, n_heads, t, q0, kb);
+      softmax.weights(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, 0);
+      for (Index i = 0; i < n_heads; ++i) std::copy_n(t.row(i).data(), t.cols(), probs + (h0 + i) * head_stride + kb);
+    }
+  }
+}
+}  // namespace detail
 
 template <class T, class Policy>
 void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<T>& ws) {
@@ -109,7 +169,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
   // Every worker's scratch before the parallel region: a worker that ran no
   // task in one call must not allocate in the next.
   reserve_dense_tiles(ws, run.threads, mixes ? tile_heads : 1, mixes && !fuses_mix_softmax<Policy>::value,
-                      std::min(block, T_), S, mixes ? 0 : std::max<Index>(1, run.key_block));
+                      std::min(block, T_), S, mixes ? 0 : std::max<Index>(1, run.key_block),
+                      std::clamp<Index>(kv_sharing_heads(policy), 1, std::max<Index>(1, hv)));
 
   parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
     const Index b = task / blocks, q0 = (task % blocks) * block, rows = std::min(block, T_ - q0);
@@ -141,27 +202,47 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
 
     if (!mixes) {  // heads are independent: each runs alone, over blocks of keys
       const Index key_block = std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
+      const Index group = std::clamp<Index>(kv_sharing_heads(policy), 1, hv);
       T* buf = ws.local(w, slot::tile_a, rows * key_block);
+      T* stats = ws.local(w, slot::row_stats, 2 * rows * group);
       auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, rows, std::min(key_block, k1 - kb)); };
-      for (Index h = 0; h < hv; ++h) {
-        auto out = context.block(b * T_ + q0, h * dv, rows, dv);
-        out.setZero();
-        OnlineSoftmax<T> softmax(ws.local(w, slot::row_stats, 2 * rows), rows);
-        for (Index kb = k0; kb < k1; kb += key_block) {
-          auto t = tile(kb);
-          policy.score(b, h, t, q0, kb, ws, w);
-          softmax.absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
-          out.noalias() += t * policy.values(b, h, kb, t.cols());
+      auto out_of = [&](Index h) { return context.block(b * T_ + q0, h * dv, rows, dv); };
+      if constexpr (stacks_heads<Policy>::value) {
+        if (rows == 1 && group > 1) {  // a decoding step of grouped-query attention
+          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, group, &context(b * T_ + q0, 0),
+                         probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S, ws, w);
+          return;
         }
-        softmax.finish(out);
-        if (!probs) continue;
-        T* dst = probs + ((b * hv + h) * T_ + q0) * S;
-        std::fill(dst, dst + rows * S, T(0));
-        for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
-          auto t = tile(kb);
-          policy.score(b, h, t, q0, kb, ws, w);
-          softmax.weights(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr);
-          for (Index r = 0; r < rows; ++r) std::copy_n(t.row(r).data(), t.cols(), dst + r * S + kb);
+      }
+      for (Index h0 = 0; h0 < hv; h0 += group) {
+        const Index h1 = std::min(hv, h0 + group);
+        auto softmax_of = [&](Index h) { return OnlineSoftmax<T>(stats + 2 * rows * (h - h0), rows); };
+        for (Index h = h0; h < h1; ++h) {
+          out_of(h).setZero();
+          softmax_of(h).start();
+        }
+        // Heads that read the same K and V take each block in turn while it
+        // is in cache; each head's arithmetic is the same in any order.
+        for (Index kb = k0; kb < k1; kb += key_block)
+          for (Index h = h0; h < h1; ++h) {
+            auto t = tile(kb);
+            auto out = out_of(h);
+            policy.score(b, h, t, q0, kb, ws, w);
+            softmax_of(h).absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
+            out.noalias() += t * policy.values(b, h, kb, t.cols());
+          }
+        for (Index h = h0; h < h1; ++h) {
+          auto out = out_of(h);
+          softmax_of(h).finish(out);
+          if (!probs) continue;
+          T* dst = probs + ((b * hv + h) * T_ + q0) * S;
+          std::fill(dst, dst + rows * S, T(0));
+          for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
+            auto t = tile(kb);
+            policy.score(b, h, t, q0, kb, ws, w);
+            softmax_of(h).weights(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr);
+            for (Index r = 0; r < rows; ++r) std::copy_n(t.row(r).data(), t.cols(), dst + r * S + kb);
+          }
         }
       }
       return;

@@ -102,6 +102,14 @@ class SequenceCache {
     const Index dim = widths_[s] / heads_[s];
     return MatrixMap<T>(streams_[s].data() + (b * heads_[s] + h) * capacity_ * dim, capacity_, dim);
   }
+  /// Write `rows` [n, width] (a projection's rows, heads side by side) at
+  /// positions [at, at + n) of stream s of batch item b, in the stream's
+  /// layout.
+  template <class Rows>
+  void write(std::size_t s, Index b, Index at, const Rows& rows) {
+    const Index dim = widths_[s] / heads_[s];
+    for (Index h = 0; h < heads_[s]; ++h) head(s, b, h).middleRows(at, rows.rows()) = rows.middleCols(h * dim, dim);
+  }
   /// Stream s for all batch items as one [batch * capacity, width] block of
   /// memory (head-major streams: in head-major order).
   MatrixMap<T> stream(std::size_t s) {

@@ -25,6 +25,8 @@
 //
 // Memory: besides the caller's output, a forward keeps in its Workspace
 //   Q, K [B·T, H·dk] + V, context [B·T, H·dv] + factors 2 · B·T · G·(2R+1)·M per used stage (T padded)
+//   + with a compose, a forward of more than one block of queries: K and V
+//     again, copied head-major (DotProductStages::packed)
 //   + per worker: two tiles H · block_rows · S, the dynamic-weight scratch
 //     (64 rows × G·slots·(K+M)) and (M + 2R) KiB of compose scratch,
 // so attention memory grows with block_rows · S, never T · S.
@@ -214,8 +216,11 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     dynamic_factors(in.query.rows(), T_, 0, src, ws);
 
     const DenseRun<T> run{B, T_, T_, opt_.mask(), in.key_padding,
-                          block_rows_for(T_), opt_.threads, ctx.data(), probs};
-    run_dense_pipeline(Policy{stages(src), this, src, run.mask, T_}, run, ws);
+                          block_rows_for(T_), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
+    DotProductStages<T> dot = stages(src);
+    if (has_mix() && T_ > run.block_rows)  // many blocks, every head's tile resident: pack K and V once
+      dot = dot.packed(B, T_, ws, shared_k_packed, shared_v_packed, opt_.threads);
+    run_dense_pipeline(Policy{dot, this, src, run.mask, T_}, run, ws);
     finish(ctx, out);
   }
 
@@ -236,7 +241,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     check_output(kName, out, B, n, out_dim());
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
     const Index cap = cache.capacity(), past = cache.size(), S = past + n;
-    cache.bind(kName, cache_widths(cap));
+    cache.bind(kName, cache_widths(cap), {num_kv_heads(), num_kv_heads(), 1, 1});  // K and V head-major
     cache.check_room(kName, n);
     // Size the tiles for a full cache now, so that later steps of as many
     // positions find every buffer big enough.
@@ -246,9 +251,13 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * n, H * dv);
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();
+    const Index Hkv = num_kv_heads();
+    MatrixMap<T> k = ws.shared_matrix(slot::key, n, Hkv * dk), v = ws.shared_matrix(slot::value, n, Hkv * dv);
     for (Index b = 0; b < B; ++b) {
-      w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
-      w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
+      w_.k.apply(x.item(b), k);
+      w_.v.apply(x.item(b), v);
+      cache.write(0, b, past, k);
+      cache.write(1, b, past, v);
     }
 
     Sources src;
@@ -257,6 +266,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     src.k = cache.stream(0).data();
     src.v = cache.stream(1).data();
     src.kv_stride = cap;
+    src.kv_head_major = true;
     for (int st = 0; st < 2; ++st) {
       if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * n * factor_width());
       if (needs_key_factors(st)) src.kf[st] = cache.stream(2 + static_cast<std::size_t>(st)).data();
@@ -268,7 +278,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
 
     // Bottom-right: the last new position sees all.
     const DenseRun<T> run{B, n, S, opt_.step_mask(past), {}, block_rows_for(S), opt_.threads,
-                          ctx.data(), probs};
+                          ctx.data(), probs, opt_.keys_per_block()};
     run_dense_pipeline(Policy{stages(src), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
     cache.advance(n);
@@ -309,6 +319,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     const T* k = nullptr;
     const T* v = nullptr;
     Index kv_stride = 0;  // rows between batch items of K and V
+    bool kv_head_major = false;  // K and V as the cache stores them
     T* qf[2] = {nullptr, nullptr};  // [B·queries, G·(2R+1)·M] per stage
     T* kf[2] = {nullptr, nullptr};  // per stage: batch b, factor row j, position s at b·batch_stride + j·row_stride + s
     Index qf_stride = 0, kf_batch_stride = 0, kf_row_stride = 0;
@@ -318,7 +329,8 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // shared by contiguous groups of query heads.
   DotProductStages<T> stages(const Sources& src) const {
     const Index H = num_heads(), Hkv = num_kv_heads();
-    return {src.q, src.k, src.v, src.queries, src.kv_stride, H, Hkv, Hkv, head_dim(), v_head_dim(), H / Hkv, H / Hkv};
+    return {src.q,   src.k,   src.v, src.queries, src.kv_stride, H, Hkv, Hkv, head_dim(), v_head_dim(), H / Hkv,
+            H / Hkv, src.kv_head_major};
   }
 
   // The pipeline stages of DCMHA: dot-product scores and readout, and the
@@ -355,8 +367,13 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // depend on the thread count).
   static constexpr Index kFactorRows = 64;
   // Workspace slots: per stage (pre, post), the query-side and key-side
-  // factors; per worker, the compose scratch.
-  enum : std::size_t { shared_query_factors = slot::variant, shared_key_factors = slot::variant + 2 };
+  // factors, then the per-head K and V copies; per worker, the compose scratch.
+  enum : std::size_t {
+    shared_query_factors = slot::variant,
+    shared_key_factors = slot::variant + 2,
+    shared_k_packed = slot::variant + 4,
+    shared_v_packed
+  };
   enum : std::size_t { local_u = slot::local_variant, local_f, local_compose };
 
   bool has_mix() const { return opt_.use_pre || opt_.use_post; }

@@ -117,15 +117,14 @@ class Mha : public LayerForms<Mha<T>, T> {
     const Index dk = head_dim(), dv = v_head_dim();
     cache.bind(kName, {Hkv * dk, Hkv * dv}, {Hkv, Hkv});  // head-major: a step streams each head's run
     cache.check_room(kName, n);
-    reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity());
+    reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity(),
+                        opt_.keys_per_block(), num_heads() / Hkv);
     MatrixMap<T> k = ws.shared_matrix(slot::key, n, Hkv * dk), v = ws.shared_matrix(slot::value, n, Hkv * dv);
     for (Index b = 0; b < B; ++b) {
       w_.k.apply(x.item(b), k);
       w_.v.apply(x.item(b), v);
-      for (Index g = 0; g < Hkv; ++g) {
-        cache.head(0, b, g).middleRows(past, n) = k.middleCols(g * dk, dk);
-        cache.head(1, b, g).middleRows(past, n) = v.middleCols(g * dv, dv);
-      }
+      cache.write(0, b, past, k);
+      cache.write(1, b, past, v);
     }
     attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws, probs,
            true);

@@ -36,6 +36,8 @@
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q [B·T, h_k·Dk] + K [B·S, h_k·Dk] + V [B·S, h_v·Dv] + context [B·T, h_v·Dv]
 //   (K and V with num_kv_heads heads instead, when set)
+//   + with a mix, a forward of more than one block of queries: K and V
+//     again, copied head-major (DotProductStages::packed)
 //   + per worker thread: max(h_k, h, h_v) · block_rows · S (the tile)
 //     + h · max(S, ~64 KiB worth) (a chunk of logits) + S (padding bias) values.
 #pragma once
@@ -156,7 +158,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, stored_value_heads() * dv);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    attend(in.query, k, v, S, S, opt_.mask(), in.key_padding, out, ws, probs);
+    attend(in.query, k, v, S, S, opt_.mask(), in.key_padding, out, ws, probs, false);
   }
 
   /// Incremental decoding, with the contract of Mha::step. Attends n new
@@ -176,15 +178,20 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     const Index B = x.batch(), n = x.length(), past = cache.size();
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
-    cache.bind(kName, {stored_key_heads() * head_dim(), stored_value_heads() * v_head_dim()});
+    const Index sk = stored_key_heads(), sv = stored_value_heads();
+    cache.bind(kName, {sk * head_dim(), sv * v_head_dim()}, {sk, sv});  // head-major, as MHA's
     cache.check_room(kName, n);
     reserve_step_scratch(ws, std::min(n, block_rows(cache.capacity())), cache.capacity());
+    MatrixMap<T> k = ws.shared_matrix(slot::key, n, sk * head_dim());
+    MatrixMap<T> v = ws.shared_matrix(slot::value, n, sv * v_head_dim());
     for (Index b = 0; b < B; ++b) {
-      w_.k.apply(x.item(b), cache.stream(0, b).middleRows(past, n));
-      w_.v.apply(x.item(b), cache.stream(1, b).middleRows(past, n));
+      w_.k.apply(x.item(b), k);
+      w_.v.apply(x.item(b), v);
+      cache.write(0, b, past, k);
+      cache.write(1, b, past, v);
     }
     attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws,
-           probs);
+           probs, true);
     cache.advance(n);
   }
 
@@ -204,9 +211,11 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
 
  private:
   // Project the queries, run the pipeline over S keys/values `k`, `v`
-  // (batch item b's rows start at row b * key_stride), project the output.
+  // (batch item b's rows start at row b * key_stride; `head_major`: stored
+  // as a cache stores them), project the output.
   void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, Index S, Index key_stride, const PositionMask& mask,
-              const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs) const {
+              const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs,
+              bool head_major) const {
     const Index B = x.batch(), T_ = x.length();
     const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, hk * dk);
@@ -216,9 +225,13 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
 
     // Blocks sized for key_stride (a decoding cache's capacity), as
     // step() reserved them, so that steps over a growing cache allocate nothing.
-    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(key_stride), opt_.threads, ctx.data(), probs};
+    const DenseRun<T> run{B, T_, S, mask, padding, block_rows(key_stride), opt_.threads, ctx.data(), probs,
+                          opt_.keys_per_block()};
     const Index sk = stored_key_heads(), sv = stored_value_heads();
-    const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
+    DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv,
+                               head_major};
+    if (tile_planes() > 1 && T_ > run.block_rows)  // many blocks, every head's tile resident: pack K and V once
+      stages = stages.packed(B, S, ws, shared_k_packed, shared_v_packed, opt_.threads);
     run_dense_pipeline(Policy{stages, w_.pre_softmax, w_.post_softmax, h, hv}, run, ws);
 
     if (w_.o.empty())
@@ -268,6 +281,8 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   };
   static_assert(fuses_mix_softmax<Policy>::value, "the pipeline should take the fused mix + softmax stage");
   static constexpr Index kChunkBytes = 64 * 1024;
+  // Shared workspace slots of the head-major K and V copies.
+  enum : std::size_t { shared_k_packed = slot::variant, shared_v_packed };
 
   // With a mix, the fused stage keeps all max(h_k, h, h_v) planes of a
   // block resident; without one, heads run one at a time.
