@@ -88,7 +88,7 @@ struct DenseRun {
   int threads = 1;
   T* context = nullptr;        ///< out: [B·T, value_heads·value_dim], row-major
   Tensor<T>* probs = nullptr;  ///< out, optional: resized to [B, value_heads, T, S], the final weights
-  Index key_block = 512;       ///< keys per online-softmax step when heads run alone
+  Index key_block = 1024;      ///< keys per online-softmax step when heads run alone
 };
 
 /// Size every worker's tiles for blocks of up to `block_rows` queries over
