@@ -15,6 +15,7 @@
 #pragma once
 
 #include "headmix/core/mask.hpp"
+#include "headmix/core/softmax.hpp"
 #include "headmix/core/types.hpp"
 
 #include <algorithm>
@@ -49,7 +50,8 @@ class OnlineSoftmax {
               const PositionMask& mask, const T* key_bias, Out& out, Index query_stride = 1) {
     constexpr T neg_inf = -std::numeric_limits<T>::infinity();
     for (Index r = 0; r < tile.rows(); ++r) {
-      const auto [lo, hi] = mask_row(tile, r, first_query + r * query_stride, first_key, num_keys, mask);
+      const Index query = first_query + r * query_stride;
+      const auto [lo, hi] = detail::zero_hidden_keys(tile, r, query, first_key, num_keys, mask);
       if (hi == lo) continue;
       auto seg = tile.row(r).array().segment(lo, hi - lo);
       const RowArray bias(key_bias ? key_bias + lo : nullptr, hi - lo);
@@ -88,7 +90,8 @@ class OnlineSoftmax {
   void weights(Eigen::Map<Matrix<T>> tile, Index first_query, Index first_key, Index num_keys,
                const PositionMask& mask, const T* key_bias, Index query_stride = 1) const {
     for (Index r = 0; r < tile.rows(); ++r) {
-      const auto [lo, hi] = mask_row(tile, r, first_query + r * query_stride, first_key, num_keys, mask);
+      const Index query = first_query + r * query_stride;
+      const auto [lo, hi] = detail::zero_hidden_keys(tile, r, query, first_key, num_keys, mask);
       auto seg = tile.row(r).array().segment(lo, hi - lo);
       if (sum_(r) == T(0)) {
         seg.setZero();
@@ -103,19 +106,6 @@ class OnlineSoftmax {
 
  private:
   using RowArray = Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>>;
-
-  // Zero the tile columns that row r, query `query`, cannot see; return the
-  // ones it can, [lo, hi).
-  static std::pair<Index, Index> mask_row(Eigen::Map<Matrix<T>>& tile, Index r, Index query, Index first_key,
-                                          Index num_keys, const PositionMask& mask) {
-    const Index cols = tile.cols();
-    auto [lo, hi] = mask.key_range(query, num_keys);
-    lo = std::clamp<Index>(lo - first_key, 0, cols);
-    hi = std::clamp<Index>(hi - first_key, lo, cols);
-    tile.row(r).head(lo).setZero();
-    tile.row(r).tail(cols - hi).setZero();
-    return {lo, hi};
-  }
 
   Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> max_, sum_;
 };

@@ -13,7 +13,9 @@
 #pragma once
 
 #include "headmix/core/error.hpp"
+#include "headmix/core/linear.hpp"
 #include "headmix/core/types.hpp"
+#include "headmix/core/workspace.hpp"
 
 #include <array>
 #include <stdexcept>
@@ -124,5 +126,24 @@ class SequenceCache {
   std::array<Index, Shape::kMaxRank> heads_{};  ///< per stream: heads, stored head-major
   std::vector<Vector<T>> streams_;
 };
+
+/// A decoding step's first stage for the dot-product variants: project the
+/// n new positions `x` [B, n, D] with `k` and `v` (into Workspace scratch,
+/// heads side by side) and store them at position `past` of the cache's
+/// streams 0 and 1, in their layout (head-major for MHA, Talking-Heads and
+/// DCMHA).
+template <class T>
+void append_kv(const Linear<T>& k, const Linear<T>& v, ConstBatchView<T> x, SequenceCache<T>& cache, Index past,
+               Workspace<T>& ws) {
+  const Index n = x.length();
+  MatrixMap<T> k_rows = ws.shared_matrix(slot::key, n, k.out_features());
+  MatrixMap<T> v_rows = ws.shared_matrix(slot::value, n, v.out_features());
+  for (Index b = 0; b < x.batch(); ++b) {
+    k.apply(x.item(b), k_rows);
+    v.apply(x.item(b), v_rows);
+    cache.write(0, b, past, k_rows);
+    cache.write(1, b, past, v_rows);
+  }
+}
 
 }  // namespace headmix

@@ -4,8 +4,10 @@
 #include "headmix/core/attention_tensor.hpp"
 #include "headmix/core/mask.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 namespace headmix {
 
@@ -16,6 +18,23 @@ void key_padding_bias(const std::uint8_t* padding, Index first_key, Index cols, 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   for (Index c = 0; c < cols; ++c) bias[c] = padding[first_key + c] ? neg_inf : T(0);
 }
+
+namespace detail {
+/// Zero the columns of tile row r that query `query` may not see (the tile
+/// starts at key `first_key` of `num_keys`); return the ones it may see,
+/// [lo, hi), before padding.
+template <class T>
+std::pair<Index, Index> zero_hidden_keys(Eigen::Map<Matrix<T>>& tile, Index r, Index query, Index first_key,
+                                         Index num_keys, const PositionMask& mask) {
+  const Index cols = tile.cols();
+  auto [lo, hi] = mask.key_range(query, num_keys);
+  lo = std::clamp<Index>(lo - first_key, 0, cols);
+  hi = std::clamp<Index>(hi - first_key, lo, cols);
+  tile.row(r).head(lo).setZero();
+  tile.row(r).tail(cols - hi).setZero();
+  return {lo, hi};
+}
+}  // namespace detail
 
 /// Mask and softmax one head of a tile in place, row by row.
 ///
@@ -28,15 +47,9 @@ void key_padding_bias(const std::uint8_t* padding, Index first_key, Index cols, 
 template <class T>
 void masked_softmax_head(Eigen::Map<Matrix<T>> scores, Index first_query, Index first_key, Index num_keys,
                          const PositionMask& mask, const T* key_bias) {
-  const Index cols = scores.cols();
   for (Index r = 0; r < scores.rows(); ++r) {
-    auto row = scores.row(r).array();
-    auto [lo, hi] = mask.key_range(first_query + r, num_keys);
-    lo = std::clamp<Index>(lo - first_key, 0, cols);
-    hi = std::clamp<Index>(hi - first_key, lo, cols);
-    row.head(lo).setZero();
-    row.tail(cols - hi).setZero();
-    auto seg = row.segment(lo, hi - lo);
+    const auto [lo, hi] = detail::zero_hidden_keys(scores, r, first_query + r, first_key, num_keys, mask);
+    auto seg = scores.row(r).array().segment(lo, hi - lo);
     const Eigen::Map<const Eigen::Array<T, 1, Eigen::Dynamic>> bias(key_bias ? key_bias + lo : nullptr, hi - lo);
     if (key_bias) seg += bias;
     const T m = hi > lo ? seg.maxCoeff() : -std::numeric_limits<T>::infinity();

@@ -251,14 +251,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * n, H * dv);
     project_rows<T>(w_.q, x.rows(), q, opt_.threads);
     q *= scale();
-    const Index Hkv = num_kv_heads();
-    MatrixMap<T> k = ws.shared_matrix(slot::key, n, Hkv * dk), v = ws.shared_matrix(slot::value, n, Hkv * dv);
-    for (Index b = 0; b < B; ++b) {
-      w_.k.apply(x.item(b), k);
-      w_.v.apply(x.item(b), v);
-      cache.write(0, b, past, k);
-      cache.write(1, b, past, v);
-    }
+    append_kv(w_.k, w_.v, x, cache, past, ws);
 
     Sources src;
     src.q = q.data();

@@ -119,13 +119,7 @@ class Mha : public LayerForms<Mha<T>, T> {
     cache.check_room(kName, n);
     reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity(),
                         opt_.keys_per_block(), num_heads() / Hkv);
-    MatrixMap<T> k = ws.shared_matrix(slot::key, n, Hkv * dk), v = ws.shared_matrix(slot::value, n, Hkv * dv);
-    for (Index b = 0; b < B; ++b) {
-      w_.k.apply(x.item(b), k);
-      w_.v.apply(x.item(b), v);
-      cache.write(0, b, past, k);
-      cache.write(1, b, past, v);
-    }
+    append_kv(w_.k, w_.v, x, cache, past, ws);
     attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws, probs,
            true);
     cache.advance(n);

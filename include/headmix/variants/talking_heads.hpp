@@ -182,14 +182,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     cache.bind(kName, {sk * head_dim(), sv * v_head_dim()}, {sk, sv});  // head-major, as MHA's
     cache.check_room(kName, n);
     reserve_step_scratch(ws, std::min(n, block_rows(cache.capacity())), cache.capacity());
-    MatrixMap<T> k = ws.shared_matrix(slot::key, n, sk * head_dim());
-    MatrixMap<T> v = ws.shared_matrix(slot::value, n, sv * v_head_dim());
-    for (Index b = 0; b < B; ++b) {
-      w_.k.apply(x.item(b), k);
-      w_.v.apply(x.item(b), v);
-      cache.write(0, b, past, k);
-      cache.write(1, b, past, v);
-    }
+    append_kv(w_.k, w_.v, x, cache, past, ws);
     attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws,
            probs, true);
     cache.advance(n);
