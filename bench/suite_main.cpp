@@ -6,7 +6,8 @@
 //      FLOP ratio;
 //   2. each variant's 2-thread speedup (time at 1 thread / at 2 threads);
 //   3. MHA's GFLOP/s over a GEMM yardstick's ([T, D] x [D, 3D]): Eigen's
-//      GEMM, and OpenBLAS's cblas_sgemm on one thread when linked;
+//      GEMM, headmix::gemm on libxsmm when built with it, and OpenBLAS's
+//      cblas_sgemm on one thread when linked;
 //   4. headmix MHA's time over PyTorch's (when built with libtorch), against
 //      each of torch's paths, the faster marked as the baseline;
 //   5. a decoding step (one token, S positions in view) against recomputing
@@ -262,6 +263,18 @@ Side eigen_gemm_side(Index T, Index D) {
           }};
 }
 
+#ifdef HEADMIX_USE_LIBXSMM
+// headmix::gemm on libxsmm's kernels, the product the layers run.
+Side libxsmm_gemm_side(Index T, Index D) {
+  auto s = std::make_shared<GemmOperands>(T, D);
+  return {"libxsmm GEMM", [s] {
+            headmix::gemm(s->x, s->w, s->y);
+            benchmark::DoNotOptimize(s->y.data());
+            benchmark::ClobberMemory();
+          }};
+}
+#endif
+
 #ifdef HEADMIX_BENCH_OPENBLAS
 Side openblas_gemm_side(Index T, Index D) {
   auto s = std::make_shared<GemmOperands>(T, D);
@@ -430,6 +443,9 @@ class Suite {
       for (Index T : plan_.yardstick_lengths) {
         const LayerShape s{D, H, false, 1};
         std::vector<std::pair<Side, std::string>> gemms = {{eigen_gemm_side(T, D), "Eigen"}};
+#ifdef HEADMIX_USE_LIBXSMM
+        gemms.push_back({libxsmm_gemm_side(T, D), "libxsmm"});
+#endif
 #ifdef HEADMIX_BENCH_OPENBLAS
         gemms.push_back({openblas_gemm_side(T, D), "OpenBLAS"});
 #endif
@@ -693,7 +709,9 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
   c["compiler"] = std::string("g++ ") + __VERSION__;
   c["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
                std::to_string(EIGEN_MINOR_VERSION) + ", SIMD " + Eigen::SimdInstructionSetsInUse();
-#ifdef EIGEN_USE_BLAS
+#if defined(HEADMIX_USE_LIBXSMM)
+  c["headmix_gemm"] = std::string("libxsmm ") + LIBXSMM_VERSION + " JIT kernels, target " + libxsmm_get_target_arch();
+#elif defined(EIGEN_USE_BLAS)
   c["headmix_gemm"] = "OpenBLAS through EIGEN_USE_BLAS (1 thread)";
 #else
   c["headmix_gemm"] = "Eigen's built-in GEMM";

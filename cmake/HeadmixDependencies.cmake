@@ -19,3 +19,35 @@ macro(headmix_find_dependencies)
   set(THREADS_PREFER_PTHREAD_FLAG ON)
   find_package(Threads REQUIRED)
 endmacro()
+
+# The GEMM backend (core/gemm.hpp): `auto` takes libxsmm when it is found and
+# falls back to Eigen's kernels with a message; `libxsmm` requires it;
+# `eigen` never looks. libxsmm's static library keeps BLAS entry points
+# (sgemm_, dgemm_) for shapes it has no kernel for; headmix never calls
+# them, but the link needs a BLAS that defines them. A real one (OpenBLAS),
+# not libxsmmnoblas: its stubs would interpose the BLAS of any program that
+# links one too. Sets HEADMIX_GEMM_RESOLVED to libxsmm or eigen and, for
+# libxsmm, the imported targets PkgConfig::HEADMIX_XSMM and BLAS::BLAS.
+macro(headmix_find_gemm backend)
+  set(HEADMIX_GEMM_RESOLVED eigen)
+  if(NOT "${backend}" STREQUAL "eigen")
+    find_package(PkgConfig QUIET)
+    if(PkgConfig_FOUND)
+      pkg_check_modules(HEADMIX_XSMM QUIET IMPORTED_TARGET libxsmm)
+    endif()
+    if(NOT TARGET BLAS::BLAS)
+      set(BLA_VENDOR OpenBLAS)
+      find_package(BLAS QUIET)
+      unset(BLA_VENDOR)
+    endif()
+    if(HEADMIX_XSMM_FOUND AND TARGET BLAS::BLAS)
+      set(HEADMIX_GEMM_RESOLVED libxsmm)
+    elseif("${backend}" STREQUAL "libxsmm")
+      message(FATAL_ERROR "HEADMIX_GEMM=libxsmm needs libxsmm and OpenBLAS: "
+                          "install them with 'apt-get install libxsmm-dev libopenblas-dev pkg-config'")
+    else()
+      message(STATUS "headmix: GEMMs run on Eigen's kernels; for libxsmm's (1.3-2x faster here), "
+                     "install libxsmm-dev libopenblas-dev pkg-config")
+    endif()
+  endif()
+endmacro()

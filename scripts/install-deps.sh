@@ -1,16 +1,17 @@
 #!/bin/sh
 # Install headmix's Debian dependencies: `sh scripts/install-deps.sh test`
-# for the test build, `... bench` for the benchmark suite (adds OpenBLAS,
-# libtorch, matplotlib, and BLIS and libxsmm, the GEMM candidates it
-# measures), `... ci` for everything .ci/run builds (adds clang, its
-# sanitizer runtimes and OpenBLAS). Works as root (no sudo needed) and as
+# for the test build (with libxsmm, the GEMM backend), `... bench` for the
+# benchmark suite (adds libtorch, matplotlib and BLIS, the other GEMM
+# candidate it measures), `... ci` for everything .ci/run builds (adds clang
+# and its sanitizer runtimes). Works as root (no sudo needed) and as
 # a user with sudo; installs only what is missing.
 set -eu
-base="cmake ninja-build g++ libeigen3-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev"
+# libxsmm multiplies (OpenBLAS defines the BLAS symbols its static library keeps).
+base="cmake ninja-build g++ libeigen3-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev libxsmm-dev libopenblas-dev pkg-config"
 case "${1:-test}" in
   test)  packages="$base" ;;
-  bench) packages="$base libopenblas-dev libtorch-dev python3-matplotlib libblis-dev libxsmm-dev pkg-config" ;;
-  ci)    packages="$base libopenblas-dev clang libclang-rt-14-dev" ;;
+  bench) packages="$base libtorch-dev python3-matplotlib libblis-dev" ;;
+  ci)    packages="$base clang libclang-rt-14-dev" ;;
   *) echo "usage: sh scripts/install-deps.sh [test|bench|ci]" >&2; exit 2 ;;
 esac
 missing=""

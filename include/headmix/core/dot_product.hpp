@@ -8,8 +8,13 @@
 // attention maps heads onto fewer stored K/V heads in contiguous groups:
 // score head a reads K head a / k_group, value head c reads V head
 // c / v_group (groups of 1: one K/V head per head).
+//
+// A forward call packs K and V once (packed()): K_hᵀ as [dk, keys] per head,
+// the operand the GEMM multiplies untransposed, and V_h as [keys, dv], so
+// that every block's product reads contiguous runs.
 #pragma once
 
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/parallel.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
@@ -26,6 +31,7 @@ struct DotProductStages {
   Index dk = 0, dv = 0;
   Index k_group = 1, v_group = 1;               ///< score heads per K head, value heads per V head
   bool head_major_kv = false;                   ///< K and V as [B, heads, key_stride, dim]
+  const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, key_stride] (packed())
 
   /// Consecutive heads that read the same K and V, which the pipeline runs
   /// together over each key block (grouped-query attention).
@@ -35,36 +41,34 @@ struct DotProductStages {
   void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
     const ConstStridedMap<T> qa(q + (b * queries + q0) * q_heads * dk + a * dk, out.rows(), dk,
                                 Eigen::OuterStride<>(q_heads * dk));
-    out.noalias() = qa * kv_rows(k, k_heads, dk, b, a / k_group, k0, out.cols()).transpose();
+    multiply_by_keys(qa, b, a / k_group, k0, out);
   }
   /// out [count, cols]: row i = Q_{a0 + i}[q0] · K_{a0 / k_group}[k0 .. k0 + cols)ᵀ, the scores of
   /// `count` heads that share a K head, for one query: one GEMM where
   /// per-head scores would be `count` matrix-vector products.
   void score_group(Index b, Index a0, Index count, Eigen::Map<Matrix<T>> out, Index q0, Index k0) const {
     const ConstStridedMap<T> qs(q + (b * queries + q0) * q_heads * dk + a0 * dk, count, dk, Eigen::OuterStride<>(dk));
-    out.noalias() = qs * kv_rows(k, k_heads, dk, b, a0 / k_group, k0, out.cols()).transpose();
+    multiply_by_keys(qs, b, a0 / k_group, k0, out);
   }
-  /// These stages with K and V copied once into head-major Workspace slots
-  /// (shared `k_slot`, `v_slot`), for `batch` items of `keys` rows. For
-  /// variants that run many query blocks with every head's tile resident
-  /// (the mixing ones): each block's GEMMs then pack K and V from
-  /// contiguous runs rather than from every interleaved row. Measured at
-  /// T = 4096, D = 768: Talking-Heads 1258 -> 1141 ms, DCMHA 1465 -> 1407 ms.
-  DotProductStages packed(Index batch, Index keys, Workspace<T>& ws, std::size_t k_slot, std::size_t v_slot,
-                          int threads) const {
+  /// These stages with K_hᵀ and V_h copied once into the head-major shared
+  /// Workspace slots (slot::packed_key, slot::packed_value), for `batch`
+  /// items of `keys` rows: a forward call's many query blocks then multiply
+  /// contiguous runs, not every interleaved row. Caches (head_major_kv) are
+  /// already head-major and are used as they are.
+  DotProductStages packed(Index batch, Index keys, Workspace<T>& ws, int threads) const {
     if (head_major_kv) return *this;
     DotProductStages p = *this;
-    T* kp = ws.shared(k_slot, batch * k_heads * keys * dk);
-    T* vp = ws.shared(v_slot, batch * v_heads * keys * dv);
+    T* kp = ws.shared(slot::packed_key, batch * k_heads * dk * keys);
+    T* vp = ws.shared(slot::packed_value, batch * v_heads * keys * dv);
     parallel_for(batch * (k_heads + v_heads), threads, [&](Index task, int) {
       const Index b = task / (k_heads + v_heads), h = task % (k_heads + v_heads);
       if (h < k_heads)
-        MatrixMap<T>(kp + (b * k_heads + h) * keys * dk, keys, dk) = kv_rows(k, k_heads, dk, b, h, 0, keys);
+        MatrixMap<T>(kp + (b * k_heads + h) * dk * keys, dk, keys) = kv_rows(k, k_heads, dk, b, h, 0, keys).transpose();
       else
         MatrixMap<T>(vp + (b * v_heads + h - k_heads) * keys * dv, keys, dv) =
             kv_rows(v, v_heads, dv, b, h - k_heads, 0, keys);
     });
-    p.k = kp, p.v = vp, p.key_stride = keys, p.head_major_kv = true;
+    p.k = nullptr, p.kt = kp, p.v = vp, p.key_stride = keys, p.head_major_kv = true;
     return p;
   }
 
@@ -74,6 +78,18 @@ struct DotProductStages {
   }
 
  private:
+  // out = lhs · K_h[k0 .. k0 + out.cols())ᵀ, from the packed K_hᵀ when there is one.
+  template <class Lhs>
+  void multiply_by_keys(const Lhs& lhs, Index b, Index h, Index k0, Eigen::Map<Matrix<T>> out) const {
+    if (kt) {
+      const ConstStridedMap<T> keys_t(kt + (b * k_heads + h) * dk * key_stride + k0, dk, out.cols(),
+                                      Eigen::OuterStride<>(key_stride));
+      gemm(lhs, keys_t, out);
+    } else {
+      out.noalias() = lhs * kv_rows(k, k_heads, dk, b, h, k0, out.cols()).transpose();
+    }
+  }
+
   ConstStridedMap<T> kv_rows(const T* base, Index heads, Index dim, Index b, Index h, Index k0, Index count) const {
     if (head_major_kv)
       return {base + ((b * heads + h) * key_stride + k0) * dim, count, dim, Eigen::OuterStride<>(dim)};

@@ -13,6 +13,7 @@
 
 #include "headmix/core/attention_tensor.hpp"
 #include "headmix/core/error.hpp"
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/mask.hpp"
 #include "headmix/core/softmax.hpp"
 
@@ -26,7 +27,7 @@ template <class T, class Derived>
 void mix_heads(const Eigen::MatrixBase<Derived>& weight, const AttentionTensor<T>& in, const AttentionTensor<T>& out) {
   HEADMIX_ASSERT(weight.cols() == in.heads() && weight.rows() == out.heads());
   HEADMIX_ASSERT(in.rows() == out.rows() && in.cols() == out.cols());
-  out.heads_by_entries().noalias() = weight * in.heads_by_entries();
+  gemm(weight, in.heads_by_entries(), out.heads_by_entries());
 }
 
 /// out += weight · in over the head axis (a static term added to others).
@@ -35,13 +36,14 @@ void mix_heads_add(const Eigen::MatrixBase<Derived>& weight, const AttentionTens
                    const AttentionTensor<T>& out) {
   HEADMIX_ASSERT(weight.cols() == in.heads() && weight.rows() == out.heads());
   HEADMIX_ASSERT(in.rows() == out.rows() && in.cols() == out.cols());
-  out.heads_by_entries().noalias() += weight * in.heads_by_entries();
+  gemm(weight, in.heads_by_entries(), out.heads_by_entries(), true);
 }
 
 /// out[g, e] = Σ_a weight[g, a] · in[a, e] for e < entries, where head a's
 /// entries start at in + a·in_stride and head g's at out + g·out_stride.
 /// `in` and `out` must not overlap. One small GEMM per panel of entries, so
-/// the operands stay in L1 and Eigen packs them on the stack, not the heap.
+/// the operands stay in L1 (and Eigen, without libxsmm, packs them on the
+/// stack, not the heap).
 template <class T, class Derived>
 void mix_heads_strided(const Eigen::MatrixBase<Derived>& weight, const T* in, Index in_stride, T* out,
                        Index out_stride, Index entries) {
@@ -56,7 +58,7 @@ void mix_heads_strided(const Eigen::MatrixBase<Derived>& weight, const T* in, In
     const Index n = std::min(panel, entries - e0);
     const ConstStridedMap<T> src(in + e0, in_heads, n, Eigen::OuterStride<>(in_stride));
     StridedMap<T> dst(out + e0, out_heads, n, Eigen::OuterStride<>(out_stride));
-    dst.noalias() = weight * src;
+    gemm(weight, src, dst);
   }
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "headmix/core/error.hpp"
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/io/io_error.hpp"
 
@@ -19,6 +20,18 @@ template <class T>
 struct Linear {
   Matrix<T> weight;  ///< [out_features, in_features]
   Vector<T> bias;    ///< [out_features], or empty for no bias
+  /// weightᵀ [in_features, out_features] when the GEMM backend multiplies
+  /// untransposed operands only (libxsmm): made by prepare(), which the
+  /// layers call when built. Empty otherwise, and then unused.
+  Matrix<T> weight_t = {};
+
+  /// Lay out weightᵀ for the GEMM backend, once (call again after changing
+  /// `weight`); a no-op on Eigen's GEMM, which reads weight transposed as is.
+  void prepare() {
+#ifdef HEADMIX_USE_LIBXSMM
+    weight_t = weight.transpose();
+#endif
+  }
 
   Index in_features() const { return weight.cols(); }
   Index out_features() const { return weight.rows(); }
@@ -34,7 +47,10 @@ struct Linear {
   void apply(const Eigen::MatrixBase<In>& x, Eigen::MatrixBase<Out> const& y_) const {
     auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
     HEADMIX_ASSERT(x.cols() == in_features() && y.rows() == x.rows() && y.cols() == out_features());
-    y.noalias() = x * weight.transpose();
+    if (weight_t.rows() == in_features() && weight_t.cols() == out_features())
+      gemm(x, weight_t, y);
+    else
+      y.noalias() = x * weight.transpose();
     if (has_bias()) y.rowwise() += bias.transpose();
   }
 
@@ -63,6 +79,12 @@ struct Linear {
     return {weight.template cast<U>(), bias.template cast<U>()};
   }
 };
+
+/// prepare() each projection of a layer, when the layer is built.
+template <class... Linears>
+void prepare_projections(Linears&... linears) {
+  (linears.prepare(), ...);
+}
 
 namespace detail {
 

@@ -36,6 +36,7 @@
 #pragma once
 
 #include "headmix/core/attention_tensor.hpp"
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/mask.hpp"
 #include "headmix/core/online_softmax.hpp"
 #include "headmix/core/parallel.hpp"
@@ -137,7 +138,7 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
       auto t = tile(kb);
       policy.score_group(b, h0, n_heads, t, q0, kb);
       softmax.absorb(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, out, 0);
-      out.noalias() += t * policy.values(b, h0, kb, t.cols());
+      gemm(t, policy.values(b, h0, kb, t.cols()), out, true);
     }
     softmax.finish(out);
     if (!probs) continue;
@@ -188,7 +189,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     auto emit = [&](Index c, const Eigen::Map<Matrix<T>>& weights) {
       auto out = context.block(b * T_ + q0, c * dv, rows, dv);
       if (cols > 0)
-        out.noalias() = weights * policy.values(b, c, k0, cols);
+        gemm(weights, policy.values(b, c, k0, cols), out);
       else
         out.setZero();
       if (probs) {
@@ -229,7 +230,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
             auto out = out_of(h);
             policy.score(b, h, t, q0, kb, ws, w);
             softmax_of(h).absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
-            out.noalias() += t * policy.values(b, h, kb, t.cols());
+            gemm(t, policy.values(b, h, kb, t.cols()), out, true);
           }
         for (Index h = h0; h < h1; ++h) {
           auto out = out_of(h);

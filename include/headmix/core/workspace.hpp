@@ -66,7 +66,9 @@ class Workspace {
 /// slot::local_variant to the pipeline. A variant names its own in an enum
 /// that starts at slot::variant (shared) or slot::local_variant (per worker).
 namespace slot {
-enum : std::size_t { query = 0, key, value, context, variant = 8 };
+/// Shared: Q, K, V and the heads' context; K_hᵀ and V_h copied head-major
+/// once per call (DotProductStages::packed); variants' own from `variant`.
+enum : std::size_t { query = 0, key, value, context, packed_key, packed_value, variant = 8 };
 enum : std::size_t { tile_a = 0, tile_b, key_bias, row_stats, local_variant = 8 };
 }  // namespace slot
 

@@ -100,6 +100,8 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
 
   CollabHead(CollabHeadWeights<T> weights, CollabHeadOptions options) : w_(std::move(weights)), opt_(options) {
     validate(w_, opt_);
+    query_.weight = w_.q, key_.weight = w_.k, content_bias_.weight = w_.content_bias;
+    prepare_projections(query_, key_, content_bias_, w_.v, w_.o);
     // Head h only needs the columns between its first and last non-zero
     // mixing entry; an all-zero row needs none (its logits are the content
     // bias alone).
@@ -179,11 +181,16 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, H * dv);
     MatrixMap<T> cb = ws.shared_matrix(kBiasSlot, B * S, has_content_bias() ? H : 0);
     const auto xk = in.keys().rows();
-    project_rows<T>(Unbiased{w_.k}, xk, k, opt_.threads);
+    project_rows<T>(key_, xk, k, opt_.threads);
     project_rows<T>(w_.v, xk, v, opt_.threads);
     project_content_bias(xk, cb);
     reserve_scratch(ws, std::min(block_rows(S), T_), S);
-    attend(in.query, k, v, cb, S, S, opt_.mask(), in.key_padding, out, ws, probs);
+    // Kᵀ once per batch item, [R, S]: the GEMM multiplies it untransposed.
+    T* kt = ws.shared(slot::packed_key, B * R * S);
+    parallel_for(B, opt_.threads, [&](Index b, int) {
+      MatrixMap<T>(kt + b * R * S, R, S) = k.middleRows(b * S, S).transpose();
+    });
+    attend(in.query, k, kt, v, cb, S, S, opt_.mask(), in.key_padding, out, ws, probs);
   }
 
   /// Incremental decoding, with the contract of Mha::step. Attends n new
@@ -208,12 +215,12 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     reserve_scratch(ws, std::min(block_rows(cache.capacity()), n), cache.capacity());
     for (Index b = 0; b < B; ++b) {
       const auto xb = x.item(b);
-      Unbiased{w_.k}.apply(xb, cache.stream(0, b).middleRows(past, n));
+      key_.apply(xb, cache.stream(0, b).middleRows(past, n));
       w_.v.apply(xb, cache.stream(1, b).middleRows(past, n));
       project_content_bias(xb, MatrixMap<T>(cache.stream(2, b).data() + past * cache.stream(2, b).cols(), n,
                                             cache.stream(2, b).cols()));
     }
-    attend(x, cache.stream(0), cache.stream(1), cache.stream(2), past + n, cache.capacity(),
+    attend(x, cache.stream(0), nullptr, cache.stream(1), cache.stream(2), past + n, cache.capacity(),
            opt_.step_mask(past), {}, out, ws, probs);
     cache.advance(n);
   }
@@ -253,21 +260,23 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   enum : std::size_t { kMixSlot = slot::variant, kBiasSlot, kPreNormSlot };
   enum : std::size_t { kMixedQuerySlot = slot::local_variant, kHeadBiasSlot };
 
-  // Project the queries and run the pipeline over shared keys `k`, values
-  // `v` and scaled content bias `cb` (batch item b's S rows start at row
+  // Project the queries and run the pipeline over shared keys `k` (and, if
+  // not null, their transpose `kt`, [R, S] per batch item), values `v` and
+  // scaled content bias `cb` (batch item b's S rows start at row
   // b · key_stride), then the output projection and LayerNorm.
-  void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, MatrixMap<T> cb, Index S, Index key_stride,
+  void attend(ConstBatchView<T> x, MatrixMap<T> k, const T* kt, MatrixMap<T> v, MatrixMap<T> cb, Index S, Index key_stride,
               const PositionMask& mask, const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws,
               Tensor<T>* probs) const {
     const Index B = x.batch(), T_ = x.length(), H = num_heads(), R = shared_dim(), dv = v_head_dim();
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, R);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
     MatrixMap<T> mix = ws.shared_matrix(kMixSlot, H, R);
-    project_rows<T>(Unbiased{w_.q}, x.rows(), q, opt_.threads);
+    project_rows<T>(query_, x.rows(), q, opt_.threads);
     mix = scale() * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
 
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
-    run_dense_pipeline(Policy{q, k, v, mix, cb, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run, ws);
+    run_dense_pipeline(Policy{q, k, v, mix, cb, kt, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run,
+                       ws);
 
     // With a LayerNorm, the pre-norm rows go to the Workspace: its buffers'
     // alignment is fixed, the caller's output's is not, and the norm's row
@@ -283,7 +292,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   // cb = scale · xk · content_biasᵀ, one row of H per key position.
   void project_content_bias(const ConstMatrixMap<T>& xk, MatrixMap<T> cb) const {
     if (!has_content_bias()) return;
-    project_rows<T>(Unbiased{w_.content_bias}, xk, cb, opt_.threads);
+    project_rows<T>(content_bias_, xk, cb, opt_.threads);
     cb *= scale();
   }
 
@@ -301,19 +310,10 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     }
   }
 
-  // A bias-free projection x · weightᵀ for project_rows.
-  struct Unbiased {
-    const Matrix<T>& weight;
-    template <class In, class Out>
-    void apply(const Eigen::MatrixBase<In>& x, Eigen::MatrixBase<Out> const& y_) const {
-      auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
-      y.noalias() = x * weight.transpose();
-    }
-  };
-
   // The score and readout stages; no mixing over heads after the score.
   struct Policy {
     MatrixMap<T> q, k, v, mix, cb;
+    const T* kt;  ///< Kᵀ [R, key_stride] per batch item, or null: k as it stands
     const std::pair<Index, Index>* span;
     Index T_, key_stride, H, dv;
     bool content_bias;
@@ -330,7 +330,11 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
         MatrixMap<T> mixed(ws.local(worker, kMixedQuerySlot, rows * width), rows, width);
         mixed.array() = q.block(b * T_ + q0, first, rows, width).array().rowwise() *
                         mix.row(h).segment(first, width).array();
-        out.noalias() = mixed * k.block(b * key_stride + k0, first, cols, width).transpose();
+        if (kt)
+          gemm(mixed, ConstStridedMap<T>(kt + (b * k.cols() + first) * key_stride + k0, width, cols,
+                                         Eigen::OuterStride<>(key_stride)), out);
+        else
+          out.noalias() = mixed * k.block(b * key_stride + k0, first, cols, width).transpose();
       } else {
         out.setZero();
       }
@@ -402,6 +406,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   }
 
   CollabHeadWeights<T> w_;
+  Linear<T> query_, key_, content_bias_;  ///< w_.q, w_.k, w_.content_bias as bias-free projections
   CollabHeadOptions opt_;
   std::vector<std::pair<Index, Index>> span_;  ///< per head: first shared column, count
 };

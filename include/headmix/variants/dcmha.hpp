@@ -25,8 +25,7 @@
 //
 // Memory: besides the caller's output, a forward keeps in its Workspace
 //   Q, K [B·T, H·dk] + V, context [B·T, H·dv] + factors 2 · B·T · G·(2R+1)·M per used stage (T padded)
-//   + with a compose, a forward of more than one block of queries: K and V
-//     again, copied head-major (DotProductStages::packed)
+//   + a forward: K and V again, copied head-major (DotProductStages::packed)
 //   + per worker: two tiles H · block_rows · S, the dynamic-weight scratch
 //     (64 rows × G·slots·(K+M)) and (M + 2R) KiB of compose scratch,
 // so attention memory grows with block_rows · S, never T · S.
@@ -115,6 +114,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   Dcmha(DcmhaWeights<T> weights, DcmhaOptions options) : w_(std::move(weights)), opt_(options) {
     validate(opt_);
     prepare();
+    prepare_projections(w_.q, w_.k, w_.v, w_.o);
   }
 
   /// Build from named tensors (an io::TensorFile, or anything with its
@@ -217,10 +217,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
 
     const DenseRun<T> run{B, T_, T_, opt_.mask(), in.key_padding,
                           block_rows_for(T_), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
-    DotProductStages<T> dot = stages(src);
-    if (has_mix() && T_ > run.block_rows)  // many blocks, every head's tile resident: pack K and V once
-      dot = dot.packed(B, T_, ws, shared_k_packed, shared_v_packed, opt_.threads);
-    run_dense_pipeline(Policy{dot, this, src, run.mask, T_}, run, ws);
+    run_dense_pipeline(Policy{stages(src).packed(B, T_, ws, opt_.threads), this, src, run.mask, T_}, run, ws);
     finish(ctx, out);
   }
 
@@ -360,12 +357,10 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // depend on the thread count).
   static constexpr Index kFactorRows = 64;
   // Workspace slots: per stage (pre, post), the query-side and key-side
-  // factors, then the per-head K and V copies; per worker, the compose scratch.
+  // factors; per worker, the compose scratch.
   enum : std::size_t {
     shared_query_factors = slot::variant,
     shared_key_factors = slot::variant + 2,
-    shared_k_packed = slot::variant + 4,
-    shared_v_packed
   };
   enum : std::size_t { local_u = slot::local_variant, local_f, local_compose };
 

@@ -102,7 +102,10 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   using LayerForms<Lsh<T>, T>::forward;  // the allocating forms
   static constexpr const char* kName = "lsh";
 
-  Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) { validate(opt_); }
+  Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) {
+    validate(opt_);
+    prepare_projections(w_.qk, w_.v, w_.o);
+  }
 
   /// Build from named tensors (an io::TensorFile, or anything with its
   /// contains/matrix/vector/get accessors), as in conformance/lsh.md:

@@ -12,6 +12,7 @@
 //
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q [B·T, H·Dk] + K [B·S, Hkv·Dk] + V [B·S, Hkv·Dv] + context [B·T, H·Dv]
+//   + a forward: K and V again, copied head-major (DotProductStages::packed)
 //   + per worker thread: block_rows · min(S, key_block) (one head's tile) + S (padding bias)
 // values, so attention memory grows with block_rows · S, never H · T · S.
 #pragma once
@@ -53,7 +54,10 @@ class Mha : public LayerForms<Mha<T>, T> {
   using LayerForms<Mha<T>, T>::step;
   static constexpr const char* kName = "mha";
 
-  Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) { validate(w_, opt_); }
+  Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) {
+    validate(w_, opt_);
+    prepare_projections(w_.q, w_.k, w_.v, w_.o);
+  }
 
   /// Build from named tensors (an io::TensorFile, or anything with the same
   /// contains/matrix/vector accessors): `<prefix>q.weight`, `<prefix>q.bias`,
@@ -150,9 +154,9 @@ class Mha : public LayerForms<Mha<T>, T> {
 
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
     const Index Hkv = num_kv_heads();
-    run_dense_pipeline(
-        Policy{{q.data(), k.data(), v.data(), T_, key_stride, H, Hkv, Hkv, dk, dv, H / Hkv, H / Hkv, head_major}}, run,
-        ws);
+    const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, H, Hkv, Hkv,
+                                     dk, dv, H / Hkv, H / Hkv, head_major};
+    run_dense_pipeline(Policy{stages.packed(B, S, ws, opt_.threads)}, run, ws);
 
     if (w_.o.empty())
       out.rows() = ctx;

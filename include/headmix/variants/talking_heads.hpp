@@ -36,8 +36,7 @@
 // Memory: besides the caller's output, a call keeps in its Workspace
 //   Q [B·T, h_k·Dk] + K [B·S, h_k·Dk] + V [B·S, h_v·Dv] + context [B·T, h_v·Dv]
 //   (K and V with num_kv_heads heads instead, when set)
-//   + with a mix, a forward of more than one block of queries: K and V
-//     again, copied head-major (DotProductStages::packed)
+//   + a forward: K and V again, copied head-major (DotProductStages::packed)
 //   + per worker thread: max(h_k, h, h_v) · block_rows · S (the tile)
 //     + h · max(S, ~64 KiB worth) (a chunk of logits) + S (padding bias) values.
 #pragma once
@@ -94,6 +93,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   TalkingHeads(TalkingHeadsWeights<T> weights, TalkingHeadsOptions options)
       : w_(std::move(weights)), opt_(options) {
     validate(w_, opt_);
+    prepare_projections(w_.q, w_.k, w_.v, w_.o);
   }
 
   /// Build from named tensors (an io::TensorFile, or anything with the same
@@ -221,11 +221,10 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(key_stride), opt_.threads, ctx.data(), probs,
                           opt_.keys_per_block()};
     const Index sk = stored_key_heads(), sv = stored_value_heads();
-    DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv,
-                               head_major};
-    if (tile_planes() > 1 && T_ > run.block_rows)  // many blocks, every head's tile resident: pack K and V once
-      stages = stages.packed(B, S, ws, shared_k_packed, shared_v_packed, opt_.threads);
-    run_dense_pipeline(Policy{stages, w_.pre_softmax, w_.post_softmax, h, hv}, run, ws);
+    const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv,
+                                     head_major};
+    run_dense_pipeline(Policy{stages.packed(B, S, ws, opt_.threads), w_.pre_softmax, w_.post_softmax, h, hv}, run,
+                       ws);
 
     if (w_.o.empty())
       out.rows() = ctx;
@@ -274,8 +273,6 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   };
   static_assert(fuses_mix_softmax<Policy>::value, "the pipeline should take the fused mix + softmax stage");
   static constexpr Index kChunkBytes = 64 * 1024;
-  // Shared workspace slots of the head-major K and V copies.
-  enum : std::size_t { shared_k_packed = slot::variant, shared_v_packed };
 
   // With a mix, the fused stage keeps all max(h_k, h, h_v) planes of a
   // block resident; without one, heads run one at a time.

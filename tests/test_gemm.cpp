@@ -1,0 +1,128 @@
+// headmix::gemm, the product every attention path multiplies with (libxsmm's
+// JIT kernels when built with them, else Eigen's), against a naive double
+// loop: edge tiles, k past one slice, strided blocks, accumulation, empty
+// shapes; and bit-identical results wherever the operands sit in memory.
+#include <headmix/core/gemm.hpp>
+#include <headmix/core/linear.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+using namespace headmix;
+
+namespace {
+
+template <class T>
+class GemmTyped : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(GemmTyped, Scalars);
+
+template <class T>
+Matrix<T> random_matrix(Index rows, Index cols, std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  return Matrix<T>::NullaryExpr(rows, cols, [&] { return static_cast<T>(u(rng)); });
+}
+
+// C0 + A·B in double, one multiply-add at a time.
+template <class A, class B, class C>
+Matrix<double> naive_product(const A& a, const B& b, const C& c0, bool accumulate) {
+  Matrix<double> c(a.rows(), b.cols());
+  for (Index i = 0; i < a.rows(); ++i)
+    for (Index j = 0; j < b.cols(); ++j) {
+      double s = accumulate ? double(c0(i, j)) : 0.0;
+      for (Index p = 0; p < a.cols(); ++p) s += double(a(i, p)) * double(b(p, j));
+      c(i, j) = s;
+    }
+  return c;
+}
+
+// |C - C_ref| within k·eps·Σ|a||b| per entry (plus |C0| when accumulating).
+template <class T, class C>
+void expect_close(const C& got, const Matrix<double>& want, Index k) {
+  const double eps = std::numeric_limits<T>::epsilon();
+  for (Index i = 0; i < want.rows(); ++i)
+    for (Index j = 0; j < want.cols(); ++j)
+      ASSERT_NEAR(double(got(i, j)), want(i, j), 2.0 * double(k + 1) * eps) << "entry (" << i << ", " << j << ")";
+}
+
+struct Dims {
+  Index m, n, k;
+};
+// Edge tiles in every dimension, k over one 256-wide slice, one-row and
+// one-column products (a decoding step's shapes).
+const Dims kShapes[] = {{1, 1, 1},   {3, 70, 5},    {64, 64, 64}, {65, 129, 257}, {130, 64, 600},
+                        {1, 300, 64}, {64, 1, 1024}, {7, 5, 513},  {200, 33, 3}};
+
+TYPED_TEST(GemmTyped, MatchesNaiveProductOnStridedBlocks) {
+  using T = TypeParam;
+  std::mt19937 rng(7);
+  for (const Dims d : kShapes)
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << gemm_backend() << " m=" << d.m << " n=" << d.n << " k=" << d.k
+                                        << " accumulate=" << accumulate);
+      // Operands inside wider matrices, as a head's columns sit in Q or K.
+      Matrix<T> A = random_matrix<T>(d.m + 2, d.k + 3, rng), B = random_matrix<T>(d.k + 1, d.n + 5, rng);
+      Matrix<T> C = random_matrix<T>(d.m + 1, d.n + 4, rng);
+      const Matrix<T> before = C;
+      auto a = A.block(1, 2, d.m, d.k);
+      auto b = B.block(1, 3, d.k, d.n);
+      auto c = C.block(1, 1, d.m, d.n);
+      const Matrix<double> want = naive_product(a, b, c, accumulate);
+      gemm(a, b, c, accumulate);
+      expect_close<T>(c, want, d.k);
+      // Nothing outside the block is written.
+      Matrix<T> outside = C;
+      outside.block(1, 1, d.m, d.n) = before.block(1, 1, d.m, d.n);
+      EXPECT_EQ(outside, before);
+    }
+}
+
+TYPED_TEST(GemmTyped, EmptyInnerDimensionZeroesOrKeeps) {
+  using T = TypeParam;
+  Matrix<T> a(4, 0), b(0, 5), c = Matrix<T>::Constant(4, 5, T(3));
+  gemm(a, b, c, true);
+  EXPECT_TRUE((c.array() == T(3)).all());
+  gemm(a, b, c);
+  EXPECT_TRUE((c.array() == T(0)).all());
+}
+
+// The promise behind "bit-identical across buffer addresses": the same
+// product from operands at other offsets (other alignments) gives the
+// same bits.
+TYPED_TEST(GemmTyped, BitIdenticalAtAnyAddress) {
+  using T = TypeParam;
+  std::mt19937 rng(11);
+  const Index m = 70, n = 150, k = 300;
+  const Matrix<T> a0 = random_matrix<T>(m, k, rng), b0 = random_matrix<T>(k, n, rng);
+  Matrix<T> c0(m, n);
+  gemm(a0, b0, c0);
+  for (Index shift = 1; shift < 4; ++shift) {
+    std::vector<T> abuf(m * k + shift), bbuf(k * n + shift), cbuf(m * n + shift);
+    MatrixMap<T> a(abuf.data() + shift, m, k), b(bbuf.data() + shift, k, n), c(cbuf.data() + shift, m, n);
+    a = a0, b = b0;
+    gemm(a, b, c);
+    EXPECT_EQ(Matrix<T>(c), c0) << "operands shifted by " << shift << " elements";
+  }
+}
+
+// A Linear applies Wᵀ from its prepared copy (libxsmm) or from W itself
+// (Eigen); both give x·Wᵀ + b, and a Linear never prepared still works.
+TYPED_TEST(GemmTyped, LinearAppliesPreparedAndUnpreparedWeights) {
+  using T = TypeParam;
+  std::mt19937 rng(3);
+  Linear<T> lin{random_matrix<T>(40, 300, rng), random_matrix<T>(40, 1, rng).col(0)};
+  const Matrix<T> x = random_matrix<T>(9, 300, rng);
+  Matrix<double> want = naive_product(x, Matrix<T>(lin.weight.transpose()), Matrix<T>(9, 40), false);
+  want.rowwise() += lin.bias.template cast<double>().transpose();
+  Matrix<T> y(9, 40);
+  lin.apply(x, y);
+  expect_close<T>(y, want, 300);
+  lin.prepare();
+  lin.apply(x, y);
+  expect_close<T>(y, want, 300);
+}
+
+}  // namespace
