@@ -1,17 +1,18 @@
 #!/bin/sh
 # Install headmix's Debian dependencies: `sh scripts/install-deps.sh test`
 # for the test build (with libxsmm, the GEMM backend), `... bench` for the
-# benchmark suite (adds libtorch, matplotlib and BLIS, the other GEMM
-# candidate it measures), `... ci` for everything .ci/run builds (adds clang
-# and its sanitizer runtimes). Works as root (no sudo needed) and as
+# benchmark suite (adds libtorch, matplotlib, BLIS, the other GEMM
+# candidate it measures, and Open MPI for the sharded layers), `... ci` for
+# everything .ci/run builds (adds clang, its sanitizer runtimes and Open
+# MPI, which the MPI tests run on). Works as root (no sudo needed) and as
 # a user with sudo; installs only what is missing.
 set -eu
 # libxsmm multiplies (OpenBLAS defines the BLAS symbols its static library keeps).
 base="cmake ninja-build g++ libeigen3-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev libxsmm-dev libopenblas-dev pkg-config"
 case "${1:-test}" in
   test)  packages="$base" ;;
-  bench) packages="$base libtorch-dev python3-matplotlib libblis-dev" ;;
-  ci)    packages="$base clang libclang-rt-14-dev" ;;
+  bench) packages="$base libtorch-dev python3-matplotlib libblis-dev libopenmpi-dev openmpi-bin" ;;
+  ci)    packages="$base clang libclang-rt-14-dev libopenmpi-dev openmpi-bin" ;;
   *) echo "usage: sh scripts/install-deps.sh [test|bench|ci]" >&2; exit 2 ;;
 esac
 missing=""
