@@ -12,7 +12,9 @@
 //      each of torch's paths, the faster marked as the baseline;
 //   5. a decoding step (one token, S positions in view) against recomputing
 //      the causal forward over S positions, with the cache's memory (MHA
-//      also with grouped-query attention, H/8 KV heads);
+//      also with grouped-query attention, H/8 KV heads); each step against
+//      reading its bytes once; and at the longest S, the step over a
+//      bfloat16 cache against the same step over a full-precision one;
 //   6. sliding windows: a causal layer with window W at a long T over the
 //      same at a short T (cost O(T · W)).
 //
@@ -187,14 +189,15 @@ std::pair<Side, double> variant_side(const std::string& v, const LayerShape& s, 
 // cache truncated back afterwards so every call generates the same token.
 // `cache_bytes`: the memory of the cache, once the prompt has filled it.
 template <class Layer>
-Side step_side(const std::string& label, Layer layer, Index S, Index D, std::size_t& cache_bytes) {
+Side step_side(const std::string& label, Layer layer, Index S, Index D, std::size_t& cache_bytes,
+               CachePrecision precision = CachePrecision::full) {
   struct State {
     Layer layer;
     SequenceCache<float> cache;
     Matrix<float> x, y;
     Workspace<float> ws;
   };
-  auto s = std::make_shared<State>(State{std::move(layer), SequenceCache<float>(1, S), {}, {}, {}});
+  auto s = std::make_shared<State>(State{std::move(layer), SequenceCache<float>(1, S, precision), {}, {}, {}});
   const Matrix<float> prompt = bench::random_matrix<float>(S - 1, D, 1.0, 11);
   Matrix<float> y_prompt(S - 1, s->layer.out_dim());
   s->layer.step(as_batch(prompt), s->cache, as_batch(y_prompt), s->ws);
@@ -215,13 +218,17 @@ Side step_side(const std::string& label, Layer layer, Index S, Index D, std::siz
 // (H/8 KV heads: an eighth of the cache).
 const std::vector<std::string> kDecoders = {"MHA", "MHA GQA", "TalkingHeads", "CollabHead", "DCMHA"};
 
+// Decoders whose caches may hold K and V in bfloat16.
+const std::vector<std::string> kHalfDecoders = {"MHA", "MHA GQA", "TalkingHeads", "DCMHA"};
+
 // `cache_bytes` and `weight_bytes`: what one step reads.
 std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S, std::size_t& cache_bytes,
-                                   std::size_t& weight_bytes) {
+                                   std::size_t& weight_bytes, CachePrecision precision = CachePrecision::full) {
+  const std::string step = precision == CachePrecision::full ? " step" : " bf16 step";
   auto with = [&](auto make) {
     weight_bytes = bench::weight_bytes(make(s));
     return std::pair<Side, Side>{forward_side(v + " recompute", make(s), S, s.D),
-                                 step_side(v + " step", make(s), S, s.D, cache_bytes)};
+                                 step_side(v + step, make(s), S, s.D, cache_bytes, precision)};
   };
   if (v == "MHA") return with(bench::make_mha);
   if (v == "MHA GQA") return with([](LayerShape l) {
@@ -507,6 +514,16 @@ class Suite {
         Record& r = add("bandwidth", p, read_side(bytes), step, true);
         r.extra["bytes_per_step"] = bytes;
         r.extra["cache_bytes"] = cache_bytes;
+        if (S != plan_.bandwidth_lengths.back() || std::find(kHalfDecoders.begin(), kHalfDecoders.end(), v) ==
+                                                        kHalfDecoders.end())
+          continue;
+        // The same step over a bfloat16 cache: its speed-up per token, and
+        // the bytes it reads.
+        std::size_t half_cache_bytes = 0;
+        auto [unused, half_step] = decode_sides(v, s, S, half_cache_bytes, weight_bytes, CachePrecision::bfloat16);
+        Record& h = add("half_cache", p, step, half_step, true);
+        h.extra["bytes_per_step"] = half_cache_bytes + weight_bytes;
+        h.extra["cache_bytes"] = half_cache_bytes;
       }
   }
 
@@ -630,6 +647,21 @@ void Suite::print_tables() const {
       std::printf("   %-13s %-22s %10.2f %9.3f %9.2f %9.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
                   shape_text(r.params).c_str(), bytes / (1 << 20), ms(r.r, r.r.b), bytes / ms(r.r, r.r.b) * 1e-6,
                   bytes / ms(r.r, r.r.a) * 1e-6, ratio_text(r.r).c_str());
+    });
+  }
+
+  bool half = false;
+  each("half_cache", [&](const Record&) { half = true; });
+  if (half) {
+    std::printf("\n   The same steps over a bfloat16 cache (K and V stored in half precision, products in float):\n"
+                "   full-cache step / bf16-cache step = the speed-up per token:\n");
+    std::printf("   %-13s %-22s %10s %9s %9s  %-22s\n", "variant", "shape", "MiB/step", "bf16 ms", "GB/s",
+                "full / bf16");
+    each("half_cache", [](const Record& r) {
+      const double bytes = r.extra["bytes_per_step"].get<double>();
+      std::printf("   %-13s %-22s %10.2f %9.3f %9.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                  shape_text(r.params).c_str(), bytes / (1 << 20), ms(r.r, r.r.b), bytes / ms(r.r, r.r.b) * 1e-6,
+                  ratio_text(r.r).c_str());
     });
   }
 

@@ -624,12 +624,13 @@ TYPED_TEST(DcmhaTest, FlopsEqualReferenceCount) {
 // of the given capacity; returns outputs [B, T, out] and the weights of
 // every step placed into [B, H, T, T].
 template <class T>
-Result<T> decode(const Problem<T>& p, const std::vector<Index>& chunks, Index capacity, int threads = 1) {
+Result<T> decode(const Problem<T>& p, const std::vector<Index>& chunks, Index capacity, int threads = 1,
+                 headmix::CachePrecision precision = headmix::CachePrecision::full) {
   auto opt = p.options();
   opt.threads = threads;
   const Dcmha<T> layer(p.w, opt);
   const Index B = p.c.B, TT = p.c.T, D = p.c.D, H = p.c.H, out_dim = p.c.out_dim();
-  SequenceCache<T> cache(B, capacity);
+  SequenceCache<T> cache(B, capacity, precision);
   headmix::Workspace<T> ws;
   Result<T> r;
   r.out = Tensor<T>({B, TT, out_dim});
@@ -673,6 +674,29 @@ TYPED_TEST(DcmhaTest, TokenByTokenDecodingEqualsForward) {
     EXPECT_TRUE(all_close("probs", steps.probs, widen(full.probs), tol));
     EXPECT_TRUE(all_close("output vs reference", steps.out, p.reference().output, default_tolerance<TypeParam>()));
   }
+}
+
+// A bfloat16 cache rounds K and V to 8 significant bits (u = 2^-8) and
+// keeps every sum in float. DCMHA's Compose weights depend on the query, so
+// there is no closed bound as for MHA (README, "Half-precision caches"):
+// this checks that the steps differ from the full-precision cache's, by at
+// most 8u of the output's scale (a regression bound, not a derived one),
+// and that chunked steps on 2 threads agree with token-by-token ones.
+TEST(DcmhaHalfCache, StepsStayCloseToTheFullCache) {
+  Config c;
+  c.T = 14, c.G = 2, c.static_w = true;
+  const auto p = make_problem<float>(c, 321);
+  const Result<float> full = decode(p, {1}, c.T);
+  const Result<float> half = decode(p, {1}, c.T, 1, headmix::CachePrecision::bfloat16);
+  const Result<float> chunked = decode(p, {3, 5}, c.T, 2, headmix::CachePrecision::bfloat16);
+  double worst = 0, scale = 0;
+  for (Index i = 0; i < full.out.size(); ++i) {
+    worst = std::max(worst, std::abs(double(half.out[i]) - double(full.out[i])));
+    scale = std::max(scale, std::abs(double(full.out[i])));
+  }
+  EXPECT_GT(worst, 0.0) << "the bfloat16 cache changed nothing";
+  EXPECT_LE(worst, 8.0 / 256 * scale);
+  for (Index i = 0; i < half.out.size(); ++i) EXPECT_NEAR(chunked.out[i], half.out[i], 1e-5 * (1 + scale));
 }
 
 TYPED_TEST(DcmhaTest, ChunkedDecodingEqualsForward) {

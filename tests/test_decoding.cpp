@@ -268,9 +268,9 @@ TalkingHeads<T> random_talking_heads(const ThShape& s, Index D, Index dk, Index 
 // and, when asked, each step's weights placed as rows of [B, H, T, T].
 template <class T, class Layer>
 Tensor<T> decode(const Layer& layer, const Tensor<T>& x, const std::vector<Index>& chunks, Index out_dim,
-                 Tensor<T>* probs = nullptr, Index heads = 0) {
+                 Tensor<T>* probs = nullptr, Index heads = 0, CachePrecision precision = CachePrecision::full) {
   const Index B = x.dim(0), T_ = x.dim(1);
-  SequenceCache<T> cache(B, T_);
+  SequenceCache<T> cache(B, T_, precision);
   Workspace<T> ws;
   Tensor<T> y({B, T_, out_dim});
   if (probs) {
@@ -1062,3 +1062,224 @@ TEST(Decoding, DcmhaFromTensorsReadsDcmhaMdNamesUnderAPrefix) {
 }
 
 }  // namespace
+
+// ---- Half-precision (bfloat16) caches ------------------------------------------
+
+namespace {
+
+constexpr double kBf16Unit = 1.0 / 256;  // u: bfloat16 keeps 8 significant bits
+
+double round_to_bfloat16(double x) { return double(static_cast<float>(Eigen::bfloat16(static_cast<float>(x)))); }
+
+// y = x · Wᵀ + b in double, for one row.
+template <class T>
+std::vector<double> project_row(const Linear<T>& lin, const T* x) {
+  std::vector<double> y(static_cast<std::size_t>(lin.out_features()));
+  for (Index o = 0; o < lin.out_features(); ++o) {
+    double s = lin.has_bias() ? double(lin.bias[o]) : 0.0;
+    for (Index i = 0; i < lin.in_features(); ++i) s += double(lin.weight(o, i)) * double(x[i]);
+    y[static_cast<std::size_t>(o)] = s;
+  }
+  return y;
+}
+
+// Causal grouped-query MHA over one sequence x [T, D] in double loops, with
+// the projected keys and values passed through `store` (the cache's
+// rounding); returns the outputs [T, out] and, per head, A = the largest
+// Σ_i |q_i k_i| over visible pairs (scaled queries) and max |v|.
+struct NaiveDecode {
+  std::vector<double> y;
+  double a_max = 0, v_max = 0;
+};
+template <class T, class Store>
+NaiveDecode naive_causal_mha(const Mha<T>& layer, const T* x, Index T_, Store store) {
+  const auto& w = layer.weights();
+  const Index H = layer.num_heads(), Hkv = layer.num_kv_heads(), dk = layer.head_dim(), dv = layer.v_head_dim();
+  const Index D = layer.embed_dim(), out = layer.out_dim();
+  const double scale = double(layer.scale());
+  std::vector<std::vector<double>> q, k, v;
+  for (Index t = 0; t < T_; ++t) {
+    q.push_back(project_row(w.q, x + t * D));
+    k.push_back(project_row(w.k, x + t * D));
+    v.push_back(project_row(w.v, x + t * D));
+    for (double& e : k.back()) e = store(e);
+    for (double& e : v.back()) e = store(e);
+  }
+  NaiveDecode r;
+  r.y.assign(static_cast<std::size_t>(T_ * out), 0.0);
+  for (Index t = 0; t < T_; ++t) {
+    std::vector<double> ctx(static_cast<std::size_t>(H * dv), 0.0);
+    for (Index h = 0; h < H; ++h) {
+      const Index g = h / (H / Hkv);
+      std::vector<double> s(static_cast<std::size_t>(t + 1));
+      double top = -std::numeric_limits<double>::infinity();
+      for (Index j = 0; j <= t; ++j) {
+        double dot = 0, abs_dot = 0;
+        for (Index i = 0; i < dk; ++i) {
+          const double qi = scale * q[t][h * dk + i], ki = k[j][g * dk + i];
+          dot += qi * ki;
+          abs_dot += std::abs(qi * ki);
+        }
+        s[j] = dot;
+        top = std::max(top, dot);
+        r.a_max = std::max(r.a_max, abs_dot);
+      }
+      double sum = 0;
+      for (double& e : s) sum += (e = std::exp(e - top));
+      for (Index j = 0; j <= t; ++j)
+        for (Index c = 0; c < dv; ++c) {
+          ctx[h * dv + c] += s[j] / sum * v[j][g * dv + c];
+          r.v_max = std::max(r.v_max, std::abs(v[j][g * dv + c]));
+        }
+    }
+    const std::vector<double> y = project_row(w.o, ctx.data());
+    std::copy(y.begin(), y.end(), r.y.begin() + t * out);
+  }
+  return r;
+}
+
+Tensor<double> to_double(const Tensor<float>& x) {
+  Tensor<double> d(x.shape());
+  for (Index i = 0; i < x.size(); ++i) d[i] = x[i];
+  return d;
+}
+
+// ‖W‖_∞: the largest row sum of |W|.
+template <class T>
+double inf_norm(const Matrix<T>& w) {
+  return w.template cast<double>().cwiseAbs().rowwise().sum().maxCoeff();
+}
+
+}  // namespace
+
+// A bfloat16 cache stores K and V rounded to nearest even and computes the
+// rest as a full-precision cache does: steps equal naive double loops whose
+// K and V are so rounded, to double's tolerance.
+TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
+  std::mt19937 rng(61);
+  const Index T_ = 11, D = 12;
+  for (Index kv_heads : {4, 2, 1}) {
+    const Mha<double> layer = random_gqa<double>(kv_heads, 0, D, 3, 5, 7, rng);
+    const Tensor<double> x = random_batch<double>(1, T_, D, rng);
+    const Tensor<double> y = decode<double>(layer, x, std::vector<Index>(T_, 1), layer.out_dim(), nullptr, 0,
+                                            CachePrecision::bfloat16);
+    const NaiveDecode want = naive_causal_mha(layer, x.data(), T_, round_to_bfloat16);
+    const NaiveDecode unrounded = naive_causal_mha(layer, x.data(), T_, [](double e) { return e; });
+    double worst = 0, rounding = 0;
+    for (Index i = 0; i < y.size(); ++i) {
+      worst = std::max(worst, std::abs(y[i] - want.y[i]) / (1 + std::abs(want.y[i])));
+      rounding = std::max(rounding, std::abs(want.y[i] - unrounded.y[i]));
+    }
+    EXPECT_LE(worst, 1e-12) << "kv_heads " << kv_heads;
+    EXPECT_GT(rounding, 1e-6) << "the rounding must be visible for this test to mean anything";
+  }
+}
+
+// Against the full-precision cache, in float: within the stated bound
+// ‖W_o‖_∞ · ((e^(2u·A) − 1)(1 + u) + u) · max|v| (core/sequence_cache.hpp),
+// plus the float tolerance of the other decoding tests. Talking-Heads: the
+// same with A scaled by ‖pre‖_∞ and the whole by ‖post‖_∞ (the mixes are
+// linear maps over heads).
+TEST(HalfCache, StepsStayWithinTheirBoundOfTheFullCache) {
+  std::mt19937 rng(62);
+  const Index T_ = 24, D = 16;
+  const double u = kBf16Unit;
+  auto bound_of = [&](double a, double v_max, double wo, double pre, double post) {
+    return wo * post * ((std::exp(2 * u * pre * a) - 1) * (1 + u) + u) * v_max;
+  };
+  auto check = [&](const auto& layer, double bound, const Tensor<float>& x, const std::string& what) {
+    const std::vector<Index> tokens(T_, 1);
+    const Tensor<float> full = decode(layer, x, tokens, layer.out_dim());
+    const Tensor<float> half = decode<float>(layer, x, tokens, layer.out_dim(), nullptr, 0, CachePrecision::bfloat16);
+    double worst = 0, excess = 0;
+    for (Index i = 0; i < full.size(); ++i) {
+      const double diff = std::abs(double(half[i]) - double(full[i]));
+      worst = std::max(worst, diff);
+      excess = std::max(excess, diff - bound - tolerance<float>() * (1 + std::abs(double(full[i]))));
+    }
+    EXPECT_LE(excess, 0.0) << what << ": worst difference " << worst << ", bound " << bound;
+    EXPECT_GT(worst, 0.0) << what << ": the half-precision cache changed nothing";
+  };
+  for (Index kv_heads : {4, 1}) {
+    const Mha<float> layer = random_gqa<float>(kv_heads, 0, D, 8, 8, 8, rng);
+    const Tensor<float> x = random_batch<float>(1, T_, D, rng);
+    const Mha<double> exact(MhaWeights<double>{layer.weights().q.cast<double>(), layer.weights().k.cast<double>(),
+                                               layer.weights().v.cast<double>(), layer.weights().o.cast<double>()},
+                            layer.options());
+    const Tensor<double> xd = to_double(x);
+    const NaiveDecode r = naive_causal_mha(exact, xd.data(), T_, [](double e) { return e; });
+    check(layer, bound_of(r.a_max, r.v_max, inf_norm(layer.weights().o.weight), 1, 1), x,
+          "mha kv_heads=" + std::to_string(kv_heads));
+  }
+  {
+    // Talking-Heads: A and max|v| of the key heads, from an MHA over the
+    // same q/k (value heads: v); the mixes' norms scale them.
+    const TalkingHeads<float> th = random_talking_heads<float>({4, 3, 4, true, true}, D, 8, 8, 8, rng);
+    const auto& w = th.weights();
+    MhaOptions mo;
+    mo.num_heads = 4;
+    mo.causal = true;
+    const Mha<double> qk(MhaWeights<double>{w.q.cast<double>(), w.k.cast<double>(), w.v.cast<double>(),
+                                            w.o.cast<double>()},
+                         mo);
+    const Tensor<float> x = random_batch<float>(1, T_, D, rng);
+    const NaiveDecode r = naive_causal_mha(qk, to_double(x).data(), T_,
+                                           [](double e) { return e; });
+    check(th, bound_of(r.a_max, r.v_max, inf_norm(w.o.weight), inf_norm(w.pre_softmax), inf_norm(w.post_softmax)),
+          x, "talking_heads");
+  }
+}
+
+// Half the bytes for K and V; a layer whose steps read no K/V streams
+// (CollabHead) refuses a bfloat16 cache by name.
+TEST(HalfCache, HalvesTheBytesAndIsRefusedWhereUnsupported) {
+  std::mt19937 rng(63);
+  const Index D = 12, T_ = 6;
+  const Mha<float> layer = random_gqa<float>(2, 0, D, 3, 5, 7, rng);
+  const Tensor<float> x = random_batch<float>(2, T_, D, rng);
+  Workspace<float> ws;
+  SequenceCache<float> full(2, 32), half(2, 32, CachePrecision::bfloat16);
+  Tensor<float> y({2, T_, layer.out_dim()});
+  layer.step(x.batch(), full, y.batch(), ws);
+  layer.step(x.batch(), half, y.batch(), ws);
+  EXPECT_EQ(half.precision(), CachePrecision::bfloat16);
+  EXPECT_EQ(2 * half.bytes(), full.bytes());
+  EXPECT_EQ(full.bytes(), std::size_t(2 * 32 * 2 * (3 + 5)) * sizeof(float));
+
+  const CollabHead<float> collab = random_collab<float>({true, false, true, true}, D, 8, 4, 3, rng);
+  SequenceCache<float> collab_cache(2, 32, CachePrecision::bfloat16);
+  Tensor<float> yc({2, T_, collab.out_dim()});
+  EXPECT_EQ(shape_error_message([&] { collab.step(x.batch(), collab_cache, yc.batch(), ws); }),
+            "[collab] cache precision: expected CachePrecision::full (this layer's steps read no K/V streams), got "
+            "CachePrecision::bfloat16");
+}
+
+// Sized bfloat16 steps allocate nothing, and are bit-identical on 1 and 2
+// threads.
+TEST(HalfCache, SizedStepsAllocateNothingAndDoNotDependOnThreads) {
+  std::mt19937 rng(64);
+  const Index D = 32, T_ = 40;
+  const Tensor<float> x = random_batch<float>(2, T_, D, rng);
+  Tensor<float> by_threads[2];
+  for (int threads : {1, 2}) {
+    std::mt19937 same(65);
+    MhaWeights<float> w{random_linear<float>(D, D, same), random_linear<float>(D / 2, D, same),
+                        random_linear<float>(D / 2, D, same), random_linear<float>(D, D, same)};
+    MhaOptions opt;
+    opt.num_heads = 4, opt.num_kv_heads = 2, opt.threads = threads, opt.key_block = 16;
+    const Mha<float> layer(w, opt);
+    SequenceCache<float> cache(2, T_, CachePrecision::bfloat16);
+    Workspace<float> ws;
+    Tensor<float> y({2, 1, D});
+    layer.step(slice(x, 0, 1).batch(), cache, y.batch(), ws);  // sizes cache and workspace
+    std::vector<Tensor<float>> tokens;
+    for (Index t = 1; t < T_; ++t) tokens.push_back(slice(x, t, 1));
+    EXPECT_EQ(headmix_test::allocations_during([&] {
+                for (const auto& xt : tokens) layer.step(xt.batch(), cache, y.batch(), ws);
+              }),
+              0)
+        << threads << " threads";
+    by_threads[threads - 1] = y;
+  }
+  for (Index i = 0; i < by_threads[0].size(); ++i) ASSERT_EQ(by_threads[0][i], by_threads[1][i]) << i;
+}

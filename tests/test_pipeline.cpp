@@ -58,7 +58,7 @@ struct HeadsOnly {
   void score(Index b, Index h, Eigen::Map<Matrix<double>> out, Index q0, Index k0, Workspace<double>&, int) const {
     out = t->score[b * kScoreHeads + h % kScoreHeads].block(q0, k0, out.rows(), out.cols());
   }
-  auto values(Index b, Index h, Index k0, Index count) const {
+  auto values(Index b, Index h, Index k0, Index count, Workspace<double>&, int) const {
     return t->value[b * kValueHeads + h].middleRows(k0, count);
   }
 };
@@ -92,7 +92,7 @@ struct Mixing {
                 int) const {
     mix(t->post, in, out);
   }
-  auto values(Index b, Index c, Index k0, Index count) const {
+  auto values(Index b, Index c, Index k0, Index count, Workspace<double>&, int) const {
     return t->value[b * kValueHeads + c].middleRows(k0, count);
   }
 };
@@ -241,7 +241,7 @@ struct Rising {
       for (Index c = 0; c < out.cols(); ++c)
         out(r, c) = 0.01f * float(k0 + c) * float(1 + (q0 + r) % 5) + 0.5f * std::sin(float(k0 + c + q0 + r));
   }
-  auto values(Index, Index, Index k0, Index count) const { return v->middleRows(k0, count); }
+  auto values(Index, Index, Index k0, Index count, Workspace<float>&, int) const { return v->middleRows(k0, count); }
 };
 
 TEST(DensePipeline, OnlineSoftmaxStaysWithinItsBoundOfOnePass) {

@@ -11,15 +11,35 @@
 //
 // A forward call packs K and V once (packed()): K_hᵀ as [dk, keys] per head,
 // the operand the GEMM multiplies untransposed, and V_h as [keys, dv], so
-// that every block's product reads contiguous runs.
+// that every block's product reads contiguous runs. A decoding step reads
+// them from the cache (reading()), in bfloat16 when the cache holds them so:
+// each block is widened into worker scratch just before its product.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
 #include "headmix/core/parallel.hpp"
+#include "headmix/core/sequence_cache.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
 
+#include <cstdint>
+#include <cstring>
+
 namespace headmix {
+
+/// out[i] = in[i] for n bfloat16 values: a bfloat16 is a float's top 16
+/// bits, so widening is a shift, which compilers vectorise (Eigen 3.4's
+/// cast converted value by value: steps took twice as long).
+template <class T>
+void widen_bfloat16(const Eigen::bfloat16* in, Index n, T* out) {
+  const auto* bits = reinterpret_cast<const std::uint16_t*>(in);
+  for (Index i = 0; i < n; ++i) {
+    const std::uint32_t word = std::uint32_t(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &word, sizeof value);
+    out[i] = static_cast<T>(value);
+  }
+}
 
 template <class T>
 struct DotProductStages {
@@ -32,23 +52,27 @@ struct DotProductStages {
   Index k_group = 1, v_group = 1;               ///< score heads per K head, value heads per V head
   bool head_major_kv = false;                   ///< K and V as [B, heads, key_stride, dim]
   const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, key_stride] (packed())
+  using Half = Eigen::bfloat16;
+  const Half* k_half = nullptr;                 ///< instead of k and v, head-major in bfloat16 (reading())
+  const Half* v_half = nullptr;
 
   /// Consecutive heads that read the same K and V, which the pipeline runs
   /// together over each key block (grouped-query attention).
   Index kv_sharing_heads() const { return k_group == v_group ? k_group : 1; }
 
   /// out [rows, cols] = Q_a[q0 .. q0 + rows) · K_{a / k_group}[k0 .. k0 + cols)ᵀ of batch item b.
-  void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>&, int) const {
+  void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>& ws, int w) const {
     const ConstStridedMap<T> qa(q + (b * queries + q0) * q_heads * dk + a * dk, out.rows(), dk,
                                 Eigen::OuterStride<>(q_heads * dk));
-    multiply_by_keys(qa, b, a / k_group, k0, out);
+    multiply_by_keys(qa, b, a / k_group, k0, out, ws, w);
   }
   /// out [count, cols]: row i = Q_{a0 + i}[q0] · K_{a0 / k_group}[k0 .. k0 + cols)ᵀ, the scores of
   /// `count` heads that share a K head, for one query: one GEMM where
   /// per-head scores would be `count` matrix-vector products.
-  void score_group(Index b, Index a0, Index count, Eigen::Map<Matrix<T>> out, Index q0, Index k0) const {
+  void score_group(Index b, Index a0, Index count, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>& ws,
+                   int w) const {
     const ConstStridedMap<T> qs(q + (b * queries + q0) * q_heads * dk + a0 * dk, count, dk, Eigen::OuterStride<>(dk));
-    multiply_by_keys(qs, b, a0 / k_group, k0, out);
+    multiply_by_keys(qs, b, a0 / k_group, k0, out, ws, w);
   }
   /// These stages with K_hᵀ and V_h copied once into the head-major shared
   /// Workspace slots (slot::packed_key, slot::packed_value), for `batch`
@@ -72,22 +96,57 @@ struct DotProductStages {
     return p;
   }
 
-  /// Rows [k0, k0 + count) of V_{c / v_group} of batch item b: [count, dv].
-  ConstStridedMap<T> values(Index b, Index c, Index k0, Index count) const {
+  /// These stages reading K and V from streams 0 and 1 of a decoding cache
+  /// (head-major, `key_stride` = its capacity), full or bfloat16. For a
+  /// bfloat16 cache, sizes every worker's widening scratch for a full cache
+  /// now, outside the parallel region, so that steps allocate nothing.
+  DotProductStages reading(const SequenceCache<T>& cache, Workspace<T>& ws, int threads) const {
+    DotProductStages p = *this;
+    p.key_stride = cache.capacity(), p.head_major_kv = true, p.kt = nullptr;
+    if (cache.is_half(0)) {
+      p.k = p.v = nullptr;
+      p.k_half = cache.half_stream(0), p.v_half = cache.half_stream(1);
+      ws.reserve_workers(std::max(1, threads));
+      for (int w = 0; w < std::max(1, threads); ++w) {
+        ws.local(w, slot::widened_key, cache.capacity() * dk);
+        ws.local(w, slot::widened_value, cache.capacity() * dv);
+      }
+    } else {
+      p.k = cache.stream_data(0), p.v = cache.stream_data(1);
+    }
+    return p;
+  }
+
+  /// Rows [k0, k0 + count) of V_{c / v_group} of batch item b: [count, dv]
+  /// (from a bfloat16 cache: widened into worker w's scratch).
+  ConstStridedMap<T> values(Index b, Index c, Index k0, Index count, Workspace<T>& ws, int w) const {
+    if (v_half) return widen(v_half, slot::widened_value, v_heads, dv, b, c / v_group, k0, count, ws, w);
     return kv_rows(v, v_heads, dv, b, c / v_group, k0, count);
   }
 
  private:
   // out = lhs · K_h[k0 .. k0 + out.cols())ᵀ, from the packed K_hᵀ when there is one.
   template <class Lhs>
-  void multiply_by_keys(const Lhs& lhs, Index b, Index h, Index k0, Eigen::Map<Matrix<T>> out) const {
+  void multiply_by_keys(const Lhs& lhs, Index b, Index h, Index k0, Eigen::Map<Matrix<T>> out, Workspace<T>& ws,
+                        int w) const {
     if (kt) {
       const ConstStridedMap<T> keys_t(kt + (b * k_heads + h) * dk * key_stride + k0, dk, out.cols(),
                                       Eigen::OuterStride<>(key_stride));
       gemm(lhs, keys_t, out);
+    } else if (k_half) {
+      out.noalias() = lhs * widen(k_half, slot::widened_key, k_heads, dk, b, h, k0, out.cols(), ws, w).transpose();
     } else {
       out.noalias() = lhs * kv_rows(k, k_heads, dk, b, h, k0, out.cols()).transpose();
     }
+  }
+
+  // Rows [k0, k0 + count) of head h of a head-major bfloat16 stream, as T
+  // in worker w's scratch slot `slot`.
+  ConstStridedMap<T> widen(const Half* base, std::size_t slot, Index heads, Index dim, Index b, Index h, Index k0,
+                           Index count, Workspace<T>& ws, int w) const {
+    T* out = ws.local(w, slot, count * dim);
+    widen_bfloat16(base + ((b * heads + h) * key_stride + k0) * dim, count * dim, out);
+    return {out, count, dim, Eigen::OuterStride<>(dim)};
   }
 
   ConstStridedMap<T> kv_rows(const T* base, Index heads, Index dim, Index b, Index h, Index k0, Index count) const {

@@ -10,7 +10,7 @@
 //
 //   Index score_heads(), softmax_heads(), value_heads(), value_dim();
 //   void score(b, head, Eigen::Map<Matrix<T>> out, first_query, first_key, Workspace<T>&, worker);
-//   value block (b, head, first_key, count) -> [count, value_dim] matrix expression
+//   values(b, head, first_key, count, Workspace<T>&, worker) -> [count, value_dim] row-major block
 //
 // A policy that mixes heads also declares which mixes a call runs, and
 // either both mixes as stages of their own:
@@ -136,16 +136,16 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
     softmax.start();
     for (Index kb = k0; kb < k1; kb += key_block) {
       auto t = tile(kb);
-      policy.score_group(b, h0, n_heads, t, q0, kb);
+      policy.score_group(b, h0, n_heads, t, q0, kb, ws, w);
       softmax.absorb(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, out, 0);
-      gemm(t, policy.values(b, h0, kb, t.cols()), out, true);
+      gemm(t, policy.values(b, h0, kb, t.cols(), ws, w), out, true);
     }
     softmax.finish(out);
     if (!probs) continue;
     for (Index i = 0; i < n_heads; ++i) std::fill_n(probs + (h0 + i) * head_stride, S, T(0));
     for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
       auto t = tile(kb);
-      policy.score_group(b, h0, n_heads, t, q0, kb);
+      policy.score_group(b, h0, n_heads, t, q0, kb, ws, w);
       softmax.weights(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, 0);
       for (Index i = 0; i < n_heads; ++i) std::copy_n(t.row(i).data(), t.cols(), probs + (h0 + i) * head_stride + kb);
     }
@@ -189,7 +189,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     auto emit = [&](Index c, const Eigen::Map<Matrix<T>>& weights) {
       auto out = context.block(b * T_ + q0, c * dv, rows, dv);
       if (cols > 0)
-        gemm(weights, policy.values(b, c, k0, cols), out);
+        gemm(weights, policy.values(b, c, k0, cols, ws, w), out);
       else
         out.setZero();
       if (probs) {
@@ -230,7 +230,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
             auto out = out_of(h);
             policy.score(b, h, t, q0, kb, ws, w);
             softmax_of(h).absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
-            gemm(t, policy.values(b, h, kb, t.cols()), out, true);
+            gemm(t, policy.values(b, h, kb, t.cols(), ws, w), out, true);
           }
         for (Index h = h0; h < h1; ++h) {
           auto out = out_of(h);

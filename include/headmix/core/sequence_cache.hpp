@@ -10,6 +10,16 @@
 // head's keys and values as one contiguous run, which the hardware
 // prefetchers stream at full bandwidth, instead of a head_dim slice of
 // every position's row.
+//
+// Half precision (CachePrecision::bfloat16): the K and V streams of the
+// dot-product layers (MHA, Talking-Heads, DCMHA) are stored as bfloat16,
+// rounded to nearest even, and widened back to T a block at a time when a
+// step reads them; every product still accumulates in T. That halves the
+// bytes a step streams from its cache. Each stored value carries a relative
+// error of at most u = 2^-8, and a step's output differs from the
+// full-precision cache's by at most (README, "Half-precision caches")
+//   ‖W_o‖_∞ · ((e^(2u·A) − 1)(1 + u) + u) · max|v|,
+// A = max over keys of Σ_i |q_i k_i| (scaled queries), for MHA.
 #pragma once
 
 #include "headmix/core/error.hpp"
@@ -24,6 +34,9 @@
 
 namespace headmix {
 
+/// How a cache stores the K and V of the dot-product layers.
+enum class CachePrecision { full, bfloat16 };
+
 /// A step would write past a cache's capacity. Nothing was written.
 class cache_full_error : public std::length_error {
  public:
@@ -33,18 +46,27 @@ class cache_full_error : public std::length_error {
 template <class T>
 class SequenceCache {
  public:
-  SequenceCache() = default;
-  SequenceCache(Index batch, Index capacity) : batch_(batch), capacity_(capacity) {}
+  using Half = Eigen::bfloat16;
 
-  /// Set batch size and capacity (positions). Streams are sized by the layer
-  /// on first use; reserving again drops the contents.
+  SequenceCache() = default;
+  SequenceCache(Index batch, Index capacity, CachePrecision precision = CachePrecision::full)
+      : batch_(batch), capacity_(capacity), precision_(precision) {}
+
+  /// Set batch size and capacity (positions), keeping the precision. Streams
+  /// are sized by the layer on first use; reserving again drops the contents.
   void reserve(Index batch, Index capacity) {
     batch_ = batch;
     capacity_ = capacity;
     size_ = 0;
     streams_.clear();
+    half_streams_.clear();
     widths_ = Shape();
   }
+  void reserve(Index batch, Index capacity, CachePrecision precision) {
+    reserve(batch, capacity);
+    precision_ = precision;
+  }
+  CachePrecision precision() const { return precision_; }
   /// Forget all positions, keep the memory.
   void reset() { size_ = 0; }
   /// Keep the first n positions only (rolling back rejected draft tokens,
@@ -62,22 +84,33 @@ class SequenceCache {
   std::size_t bytes() const {
     std::size_t n = 0;
     for (const auto& s : streams_) n += static_cast<std::size_t>(s.size()) * sizeof(T);
+    for (const auto& s : half_streams_) n += static_cast<std::size_t>(s.size()) * sizeof(Half);
     return n;
   }
 
   /// The layer declares its streams' widths and, optionally, how many heads
   /// each splits into (stored head-major; none given: 1 per stream); a cache
   /// set up for other widths or heads, or for another layer, is an error
-  /// naming both.
-  void bind(const char* variant, const Shape& widths, const Shape& heads = {}) {
+  /// naming both. `kv_streams`: how many leading streams are K and V read
+  /// through DotProductStages, the ones a bfloat16 cache stores in half
+  /// precision; a layer with none cannot use a bfloat16 cache.
+  void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0) {
     HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());
     auto heads_of = [&](std::size_t s) { return heads.rank() == 0 ? Index(1) : heads[s]; };
-    if (streams_.empty() && size_ == 0) {
+    if (precision_ == CachePrecision::bfloat16 && kv_streams == 0)
+      detail::throw_shape(variant, "cache precision", "CachePrecision::full (this layer's steps read no K/V streams)",
+                          "CachePrecision::bfloat16");
+    if (streams_.empty() && half_streams_.empty() && size_ == 0) {
       widths_ = widths;
+      half_count_ = precision_ == CachePrecision::bfloat16 ? kv_streams : 0;
       streams_.resize(widths.rank());
+      half_streams_.resize(half_count_);
       for (std::size_t s = 0; s < widths.rank(); ++s) {
         heads_[s] = heads_of(s);
-        streams_[s].resize(batch_ * capacity_ * widths[s]);
+        if (is_half(s))
+          half_streams_[s].resize(batch_ * capacity_ * widths[s]);
+        else
+          streams_[s].resize(batch_ * capacity_ * widths[s]);
       }
       return;
     }
@@ -93,38 +126,62 @@ class SequenceCache {
       throw cache_full_error(std::string("[") + variant + "] cache: " + std::to_string(n) + " new positions do not fit (" +
                              std::to_string(size_) + " of " + std::to_string(capacity_) + " used)");
   }
+  /// Whether stream s is stored in bfloat16.
+  bool is_half(std::size_t s) const { return s < half_count_; }
   /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
-  /// a stream bound with one head.
+  /// a full-precision stream bound with one head.
   MatrixMap<T> stream(std::size_t s, Index b) {
-    HEADMIX_ASSERT(heads_[s] == 1);
+    HEADMIX_ASSERT(heads_[s] == 1 && !is_half(s));
     return MatrixMap<T>(streams_[s].data() + b * capacity_ * widths_[s], capacity_, widths_[s]);
   }
-  /// Head h of stream s for batch item b: [capacity, width / heads].
+  /// Head h of full-precision stream s for batch item b: [capacity, width / heads].
   MatrixMap<T> head(std::size_t s, Index b, Index h) {
+    HEADMIX_ASSERT(!is_half(s));
     const Index dim = widths_[s] / heads_[s];
     return MatrixMap<T>(streams_[s].data() + (b * heads_[s] + h) * capacity_ * dim, capacity_, dim);
   }
   /// Write `rows` [n, width] (a projection's rows, heads side by side) at
   /// positions [at, at + n) of stream s of batch item b, in the stream's
-  /// layout.
+  /// layout and precision (bfloat16: rounded to nearest even).
   template <class Rows>
   void write(std::size_t s, Index b, Index at, const Rows& rows) {
-    const Index dim = widths_[s] / heads_[s];
-    for (Index h = 0; h < heads_[s]; ++h) head(s, b, h).middleRows(at, rows.rows()) = rows.middleCols(h * dim, dim);
+    const Index dim = widths_[s] / heads_[s], n = rows.rows();
+    for (Index h = 0; h < heads_[s]; ++h) {
+      const Index first = ((b * heads_[s] + h) * capacity_ + at) * dim;
+      if (is_half(s))
+        Eigen::Map<Matrix<Half>>(half_streams_[s].data() + first, n, dim) =
+            rows.middleCols(h * dim, dim).template cast<Half>();
+      else
+        MatrixMap<T>(streams_[s].data() + first, n, dim) = rows.middleCols(h * dim, dim);
+    }
   }
-  /// Stream s for all batch items as one [batch * capacity, width] block of
-  /// memory (head-major streams: in head-major order).
+  /// Full-precision stream s for all batch items as one [batch * capacity,
+  /// width] block of memory (head-major streams: in head-major order).
   MatrixMap<T> stream(std::size_t s) {
+    HEADMIX_ASSERT(!is_half(s));
     return MatrixMap<T>(streams_[s].data(), batch_ * capacity_, widths_[s]);
+  }
+  /// Stream s's memory, laid out as stream(s), read-only: full precision
+  /// (stream_data) or bfloat16 (half_stream).
+  const T* stream_data(std::size_t s) const {
+    HEADMIX_ASSERT(!is_half(s));
+    return streams_[s].data();
+  }
+  const Half* half_stream(std::size_t s) const {
+    HEADMIX_ASSERT(is_half(s));
+    return half_streams_[s].data();
   }
   /// Mark n written positions as cached.
   void advance(Index n) { size_ += n; }
 
  private:
   Index batch_ = 0, capacity_ = 0, size_ = 0;
+  CachePrecision precision_ = CachePrecision::full;
   Shape widths_;
   std::array<Index, Shape::kMaxRank> heads_{};  ///< per stream: heads, stored head-major
-  std::vector<Vector<T>> streams_;
+  std::size_t half_count_ = 0;                  ///< streams [0, half_count_) are stored in bfloat16
+  std::vector<Vector<T>> streams_;              ///< the full-precision streams (empty where half)
+  std::vector<Eigen::Matrix<Half, Eigen::Dynamic, 1>> half_streams_;
 };
 
 /// A decoding step's first stage for the dot-product variants: project the

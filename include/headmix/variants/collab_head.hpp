@@ -344,7 +344,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
         out.rowwise() += bias;
       }
     }
-    auto values(Index b, Index h, Index k0, Index count) const {
+    auto values(Index b, Index h, Index k0, Index count, Workspace<T>&, int) const {
       return v.block(b * key_stride + k0, h * dv, count, dv);
     }
   };

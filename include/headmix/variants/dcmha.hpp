@@ -238,7 +238,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     check_output(kName, out, B, n, out_dim());
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
     const Index cap = cache.capacity(), past = cache.size(), S = past + n;
-    cache.bind(kName, cache_widths(cap), {num_kv_heads(), num_kv_heads(), 1, 1});  // K and V head-major
+    cache.bind(kName, cache_widths(cap), {num_kv_heads(), num_kv_heads(), 1, 1}, 2);  // K and V head-major
     cache.check_room(kName, n);
     // Size the tiles for a full cache now, so that later steps of as many
     // positions find every buffer big enough.
@@ -253,10 +253,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     Sources src;
     src.q = q.data();
     src.queries = n;
-    src.k = cache.stream(0).data();
-    src.v = cache.stream(1).data();
-    src.kv_stride = cap;
-    src.kv_head_major = true;
+    src.kv_stride = cap;  // K and V: the cache's (stages(src).reading below)
     for (int st = 0; st < 2; ++st) {
       if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * n * factor_width());
       if (needs_key_factors(st)) src.kf[st] = cache.stream(2 + static_cast<std::size_t>(st)).data();
@@ -269,7 +266,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     // Bottom-right: the last new position sees all.
     const DenseRun<T> run{B, n, S, opt_.step_mask(past), {}, block_rows_for(S), opt_.threads,
                           ctx.data(), probs, opt_.keys_per_block()};
-    run_dense_pipeline(Policy{stages(src), this, src, run.mask, S}, run, ws);
+    run_dense_pipeline(Policy{stages(src).reading(cache, ws, opt_.threads), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
     cache.advance(n);
   }
@@ -300,16 +297,16 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   FlopCount flops(Index B, Index T_, Index S) const { return flop_breakdown(B, T_, S).total(); }
 
  private:
-  // Where the pipeline finds its operands: Q of the new positions, K/V and
-  // the key-side factors of all positions (the workspace for a forward, the
-  // cache for a step), the query-side factors of the new positions.
+  // Where the pipeline finds its operands: Q of the new positions, K/V of a
+  // forward (a step reads the cache's: DotProductStages::reading), the
+  // key-side factors of all positions (the workspace's, or the cache's) and
+  // the query-side factors of the new positions.
   struct Sources {
     const T* q = nullptr;
     Index queries = 0;  // rows of Q per batch item
     const T* k = nullptr;
     const T* v = nullptr;
     Index kv_stride = 0;  // rows between batch items of K and V
-    bool kv_head_major = false;  // K and V as the cache stores them
     T* qf[2] = {nullptr, nullptr};  // [B·queries, G·(2R+1)·M] per stage
     T* kf[2] = {nullptr, nullptr};  // per stage: batch b, factor row j, position s at b·batch_stride + j·row_stride + s
     Index qf_stride = 0, kf_batch_stride = 0, kf_row_stride = 0;
@@ -320,7 +317,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   DotProductStages<T> stages(const Sources& src) const {
     const Index H = num_heads(), Hkv = num_kv_heads();
     return {src.q,   src.k,   src.v, src.queries, src.kv_stride, H, Hkv, Hkv, head_dim(), v_head_dim(), H / Hkv,
-            H / Hkv, src.kv_head_major};
+            H / Hkv};
   }
 
   // The pipeline stages of DCMHA: dot-product scores and readout, and the

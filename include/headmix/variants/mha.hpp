@@ -102,7 +102,7 @@ class Mha : public LayerForms<Mha<T>, T> {
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, Hkv * dv);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    attend(in.query, k, v, S, S, opt_.mask(), in.key_padding, out, ws, probs);
+    attend(in.query, k.data(), v.data(), S, opt_.mask(), in.key_padding, out, ws, probs);
   }
 
   /// Incremental decoding. Attends n new positions `x` [B, n, D] to every
@@ -119,13 +119,12 @@ class Mha : public LayerForms<Mha<T>, T> {
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
     const Index dk = head_dim(), dv = v_head_dim();
-    cache.bind(kName, {Hkv * dk, Hkv * dv}, {Hkv, Hkv});  // head-major: a step streams each head's run
+    cache.bind(kName, {Hkv * dk, Hkv * dv}, {Hkv, Hkv}, 2);  // head-major: a step streams each head's run
     cache.check_room(kName, n);
     reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity(),
                         opt_.keys_per_block(), num_heads() / Hkv);
     append_kv(w_.k, w_.v, x, cache, past, ws);
-    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws, probs,
-           true);
+    attend(x, nullptr, nullptr, past + n, opt_.step_mask(past), {}, out, ws, probs, &cache);
     cache.advance(n);
   }
 
@@ -140,12 +139,12 @@ class Mha : public LayerForms<Mha<T>, T> {
   }
 
  private:
-  // Project the queries, run the pipeline over keys/values `k`, `v` (batch
-  // item b's S rows start at row b * key_stride; `head_major`: stored as a
-  // cache stores them, see DotProductStages), project the output.
-  void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, Index S, Index key_stride, const PositionMask& mask,
+  // Project the queries, run the pipeline over S keys and values: `k`, `v`
+  // [B·S, Hkv·dim] (a forward), or the cache's (a step), and project the
+  // output.
+  void attend(ConstBatchView<T> x, const T* k, const T* v, Index S, const PositionMask& mask,
               const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs,
-              bool head_major = false) const {
+              const SequenceCache<T>* cache = nullptr) const {
     const Index B = x.batch(), T_ = x.length(), H = num_heads(), dk = head_dim(), dv = v_head_dim();
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
@@ -154,9 +153,9 @@ class Mha : public LayerForms<Mha<T>, T> {
 
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
     const Index Hkv = num_kv_heads();
-    const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, H, Hkv, Hkv,
-                                     dk, dv, H / Hkv, H / Hkv, head_major};
-    run_dense_pipeline(Policy{stages.packed(B, S, ws, opt_.threads)}, run, ws);
+    const DotProductStages<T> stages{q.data(), k, v, T_, S, H, Hkv, Hkv, dk, dv, H / Hkv, H / Hkv};
+    run_dense_pipeline(Policy{cache ? stages.reading(*cache, ws, opt_.threads) : stages.packed(B, S, ws, opt_.threads)},
+                       run, ws);
 
     if (w_.o.empty())
       out.rows() = ctx;

@@ -158,7 +158,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, stored_value_heads() * dv);
     project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
     project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
-    attend(in.query, k, v, S, S, opt_.mask(), in.key_padding, out, ws, probs, false);
+    attend(in.query, k.data(), v.data(), S, S, opt_.mask(), in.key_padding, out, ws, probs);
   }
 
   /// Incremental decoding, with the contract of Mha::step. Attends n new
@@ -179,12 +179,11 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
     const Index sk = stored_key_heads(), sv = stored_value_heads();
-    cache.bind(kName, {sk * head_dim(), sv * v_head_dim()}, {sk, sv});  // head-major, as MHA's
+    cache.bind(kName, {sk * head_dim(), sv * v_head_dim()}, {sk, sv}, 2);  // head-major, as MHA's
     cache.check_room(kName, n);
     reserve_step_scratch(ws, std::min(n, block_rows(cache.capacity())), cache.capacity());
     append_kv(w_.k, w_.v, x, cache, past, ws);
-    attend(x, cache.stream(0), cache.stream(1), past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws,
-           probs, true);
+    attend(x, nullptr, nullptr, past + n, cache.capacity(), opt_.step_mask(past), {}, out, ws, probs, &cache);
     cache.advance(n);
   }
 
@@ -203,12 +202,12 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   }
 
  private:
-  // Project the queries, run the pipeline over S keys/values `k`, `v`
-  // (batch item b's rows start at row b * key_stride; `head_major`: stored
-  // as a cache stores them), project the output.
-  void attend(ConstBatchView<T> x, MatrixMap<T> k, MatrixMap<T> v, Index S, Index key_stride, const PositionMask& mask,
+  // Project the queries, run the pipeline over S keys and values: `k`, `v`
+  // [B·S, heads·dim] (a forward, key_stride = S) or the cache's (a step,
+  // key_stride = its capacity), and project the output.
+  void attend(ConstBatchView<T> x, const T* k, const T* v, Index S, Index key_stride, const PositionMask& mask,
               const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs,
-              bool head_major) const {
+              const SequenceCache<T>* cache = nullptr) const {
     const Index B = x.batch(), T_ = x.length();
     const Index hk = key_heads(), h = num_heads(), hv = value_heads(), dk = head_dim(), dv = v_head_dim();
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, hk * dk);
@@ -221,10 +220,10 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(key_stride), opt_.threads, ctx.data(), probs,
                           opt_.keys_per_block()};
     const Index sk = stored_key_heads(), sv = stored_value_heads();
-    const DotProductStages<T> stages{q.data(), k.data(), v.data(), T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv,
-                                     head_major};
-    run_dense_pipeline(Policy{stages.packed(B, S, ws, opt_.threads), w_.pre_softmax, w_.post_softmax, h, hv}, run,
-                       ws);
+    const DotProductStages<T> stages{q.data(), k, v, T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
+    run_dense_pipeline(Policy{cache ? stages.reading(*cache, ws, opt_.threads) : stages.packed(B, S, ws, opt_.threads),
+                              w_.pre_softmax, w_.post_softmax, h, hv},
+                       run, ws);
 
     if (w_.o.empty())
       out.rows() = ctx;
