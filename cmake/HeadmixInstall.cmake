@@ -5,6 +5,12 @@ install(DIRECTORY include/headmix DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS headmix EXPORT headmixTargets)
 set(HEADMIX_CMAKE_DIR ${CMAKE_INSTALL_DATADIR}/cmake/headmix)
 install(EXPORT headmixTargets NAMESPACE headmix:: DESTINATION ${HEADMIX_CMAKE_DIR})
+# headmix::mpi, when built with MPI: an export set of its own, which the
+# package config loads (finding MPI) only where it was installed.
+if(TARGET headmix_mpi)
+  install(TARGETS headmix_mpi EXPORT headmixMpiTargets)
+  install(EXPORT headmixMpiTargets NAMESPACE headmix:: DESTINATION ${HEADMIX_CMAKE_DIR})
+endif()
 
 configure_package_config_file(cmake/headmixConfig.cmake.in ${PROJECT_BINARY_DIR}/headmixConfig.cmake
   INSTALL_DESTINATION ${HEADMIX_CMAKE_DIR})

@@ -11,6 +11,7 @@ if(MPI_CXX_FOUND)
   add_library(headmix_mpi INTERFACE)
   add_library(headmix::mpi ALIAS headmix_mpi)
   target_link_libraries(headmix_mpi INTERFACE headmix::headmix MPI::MPI_CXX)
+  set_target_properties(headmix_mpi PROPERTIES EXPORT_NAME mpi)  # installed as headmix::mpi too
 else()
   message(STATUS "headmix::mpi: MPI not found (install libopenmpi-dev openmpi-bin); "
                  "the MPI layers and their tests are skipped")

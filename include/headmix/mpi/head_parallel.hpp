@@ -36,15 +36,17 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 namespace headmix::mpi {
 
 /// How a variant splits over ranks, specialised per variant: `kName`,
 /// `Options`, `check_split(options, P)` (the counts that must divide by P),
-/// `local_options(options, P)`, `same_split(current, next)` (set_options
-/// may not move heads between ranks) and `slice(full, options, rank, P)`,
-/// which returns this rank's layer with its o columns and no o bias.
+/// `local_options(options, P)` (or `local_options(options, P, local)`),
+/// `same_split(current, next)` (set_options may not move heads between
+/// ranks) and `slice(full, options, rank, P)`, which returns this rank's
+/// layer with its o columns and no o bias.
 template <template <class> class Layer, class T>
 struct HeadShard;
 
@@ -77,6 +79,16 @@ void slice_projections(const Weights& full, Weights& local, Index rank, Index h,
   local.v = linear_rows(full.v, rank * hkv * dv, hkv * dv);
   if (!full.o.empty()) local.o.weight = full.o.weight.middleCols(rank * h * dv, h * dv);  // bias: after the sum
 }
+
+/// Whether Shard::local_options also takes the local layer, for options
+/// whose defaults depend on its weights (CollabHead's scale, from R and H).
+template <class Shard, class Options, class Local, class = void>
+struct local_options_take_layer : std::false_type {};
+template <class Shard, class Options, class Local>
+struct local_options_take_layer<Shard, Options, Local,
+                                std::void_t<decltype(Shard::local_options(std::declval<const Options&>(), 1,
+                                                                          std::declval<const Local&>()))>>
+    : std::true_type {};
 
 }  // namespace detail
 
@@ -139,10 +151,10 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
     try {
       comm_.agree(kName, [&] {
         Shard::same_split(opt_, options);
-        local_.set_options(Shard::local_options(options, comm_.size()));
+        local_.set_options(local_options(options));
       });
     } catch (...) {
-      local_.set_options(Shard::local_options(opt_, comm_.size()));  // another rank failed after this one changed
+      local_.set_options(local_options(opt_));  // another rank failed after this one changed
       throw;
     }
     opt_ = options;
@@ -239,6 +251,14 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
       parts.emplace(Parts{options, Shard::slice(full, options, comm.rank(), comm.size()), o.bias, !o.empty()});
     });
     return HeadParallel(std::move(comm), std::move(*parts));
+  }
+
+  // The local layer's options for all-head `options`.
+  Options local_options(const Options& options) const {
+    if constexpr (detail::local_options_take_layer<Shard, Options, Local>::value)
+      return Shard::local_options(options, comm_.size(), local_);
+    else
+      return Shard::local_options(options, comm_.size());
   }
 
   // Where the local heads write: the output itself when o sums into it,

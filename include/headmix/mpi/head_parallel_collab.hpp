@@ -1,0 +1,73 @@
+// Head-parallel CollabHead over MPI: rank r of P holds heads
+// [r·H/P, (r+1)·H/P): those rows of mixing [H, R] and content_bias [H, Dkv],
+// those heads' rows of v and columns of o. H must be a multiple of P.
+//
+// Replicated: the shared query and key projections q [R, D] and k [R, Dkv].
+// Every head of a dense mixing reads all R shared dimensions, so sharding
+// them would not cut a rank's work; each rank computes Q̃ and K̃ in full
+// (2·B·(T·D + S·Dkv)·R multiply-adds that P ranks repeat: flops() counts
+// them on every rank) and its decoding cache holds K̃ [R] per position,
+// next to its heads' values and content bias. The logit scale defaults to
+// the full layer's 1/sqrt(R/H), not the local 1/sqrt(R/(H/P)).
+//
+// Not sharded: the optional LayerNorm(Xq + y) needs the summed output, so a
+// layer with one is refused (apply it to the head-parallel output instead).
+// See head_parallel.hpp for the call, the collectives and the errors.
+#pragma once
+
+#include "headmix/mpi/head_parallel.hpp"
+#include "headmix/variants/collab_head.hpp"
+
+#include <cmath>
+#include <string>
+
+namespace headmix::mpi {
+
+template <class T>
+struct HeadShard<CollabHead, T> {
+  using Options = CollabHeadOptions;
+  static constexpr const char* kName = "head-parallel collab";
+
+  static void check_split(const CollabHeadOptions& o, int P) {
+    detail::check_multiple(kName, "num_heads", o.num_heads, P);
+  }
+
+  /// The scale is fixed from the full head count: the local layer's default
+  /// would use its own H/P.
+  static CollabHeadOptions local_options(CollabHeadOptions o, int P, const CollabHead<T>& local) {
+    if (!o.scale) o.scale = 1.0 / std::sqrt(static_cast<double>(local.shared_dim()) / static_cast<double>(o.num_heads));
+    o.num_heads /= P;
+    return o;
+  }
+
+  static void same_split(const CollabHeadOptions& now, const CollabHeadOptions& next) {
+    check_value(next.num_heads == now.num_heads, kName, "num_heads",
+                "the sharded layer's " + std::to_string(now.num_heads), next.num_heads);
+  }
+
+  static CollabHead<T> slice(const CollabHead<T>& full, const CollabHeadOptions& options, int rank, int P) {
+    const CollabHeadWeights<T>& w = full.weights();
+    if (full.has_layer_norm())
+      headmix::detail::throw_shape(kName, "layer_norm",
+                                   "none (it needs the summed output: apply it to the head-parallel layer's output)",
+                                   "weight [" + std::to_string(w.layer_norm.weight.size()) + "]");
+    const Index h = full.num_heads() / P, first = rank * h, dv = full.v_head_dim();
+    CollabHeadWeights<T> local;
+    local.q = w.q;  // replicated: see above
+    local.k = w.k;
+    local.mixing = w.mixing.middleRows(first, h);
+    if (full.has_content_bias()) local.content_bias = w.content_bias.middleRows(first, h);
+    local.v = detail::linear_rows(w.v, first * dv, h * dv);
+    if (!w.o.empty()) local.o.weight = w.o.weight.middleCols(first * dv, h * dv);  // bias: after the sum
+    CollabHeadOptions o = options;
+    o.scale = full.scale_value();
+    o.num_heads = h;
+    return CollabHead<T>(std::move(local), o);
+  }
+};
+
+/// Head-parallel CollabHead: HeadParallel over CollabHead, q and k replicated.
+template <class T>
+using HeadParallelCollabHead = HeadParallel<CollabHead, T>;
+
+}  // namespace headmix::mpi

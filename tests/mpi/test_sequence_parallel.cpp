@@ -1,0 +1,512 @@
+// Sequence-parallel MHA, CollabHead and Talking-Heads over MPI, run by
+// ctest under `mpiexec -n 2` and `-n 3`. Lengths follow the process count P
+// (T = 4P+1, 3P, 2P-1, 4P+3, 1), so the same program splits differently on
+// 2 and 3 processes, with lengths P or 2P do not divide, chunks of unequal
+// length, empty chunks and ranks without rows.
+//
+// The contract: each rank's output rows, reassembled on every rank, equal
+// the one-process layer's forward on the same weights and the whole
+// sequence (causal with the zig-zag split, key padding, windows), the
+// ranks' attention work adds up to one process's and is balanced by the
+// zig-zag split, the bytes handed to MPI are comm_bytes(), and every error
+// is an error on every rank with no rank left in a collective (ctest's
+// 120 s timeout fails a hang). MHA is also checked against the naive double
+// loops. Every rank checks its own results; a failure on any rank fails
+// the run.
+
+#include "test_util.hpp"
+
+#include "headmix/io/safetensors.hpp"
+#include "headmix/mpi/sequence_parallel.hpp"
+#include "mpi/mpi_test_util.hpp"
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace headmix_test;
+using namespace headmix_mpi_test;
+using headmix::Index;
+using headmix::mpi::Communicator;
+using headmix::mpi::SequenceParallel;
+using headmix::mpi::SequenceParallelMha;
+using headmix::mpi::SequenceSplit;
+
+constexpr Index kBatch = 2, kWidth = 8, kDk = 4, kDv = 3, kOut = 5;
+
+// Sharded against one process. A row's math is the one-process row's: the
+// same weights, query, visible keys and padding. What may differ is the
+// order of some sums: a chunk's keys start at another index (windows) and
+// its tiles span other keys, so the softmax sums and the weighted sums of
+// values over at most S = 4P+3 <= 15 keys group differently, and the K/V
+// projections run as GEMMs of other heights. Each reordered n-term sum
+// differs by at most 2·n·u·Σ|terms| (u = unit roundoff); through the mixes
+// and o (|weights| <= 1/√fan-in, O(1) inputs) that stays below 1024·u
+// absolute: 6.1e-5 in float, 1.1e-13 in double. Measured: printed by rank 0.
+template <class T>
+Tolerance sharded_tolerance() {
+  return {0.0, 1024 * std::numeric_limits<T>::epsilon() / 2};
+}
+
+// The largest |sharded - one process| seen, per type, for the summary line.
+template <class T>
+double& worst_error() {
+  static double worst = 0;
+  return worst;
+}
+
+template <class T>
+MPI_Datatype mpi_type() {
+  return sizeof(T) == sizeof(float) ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+// ---------------------------------------------------------------------------
+// Problems
+
+struct Case {
+  const char* name;
+  Index per_process, extra;  // T = per_process · P + extra
+  bool causal, padded;
+  Index window;
+  int threads;
+  Index length() const { return per_process * world_size() + extra; }
+};
+
+const Case kCases[] = {
+    {"contiguous, T = 4P+1", 4, 1, false, false, 0, 1},
+    {"contiguous, key padding, T = 3P (shards already in order)", 3, 0, false, true, 0, 2},
+    {"zig-zag, key padding, T = 4P+1", 4, 1, true, true, 0, 1},
+    {"zig-zag, T = 2P-1 (an empty chunk)", 2, -1, true, false, 0, 2},
+    {"zig-zag, window 3, key padding, T = 4P+3", 4, 3, true, true, 3, 1},
+    {"zig-zag, T = 1 (one rank holds it)", 0, 1, true, true, 0, 1},
+    {"contiguous, key padding, T = 1", 0, 1, false, true, 0, 1},
+};
+
+// Keys padded in a fixed pattern: every third key, with a phase that moves
+// every 6 keys (so that a chunk reading keys from the wrong start sees
+// another pattern), never key 0 and never 3 keys in a row, so every query
+// (windows of 3 included) sees a key.
+std::vector<std::uint8_t> padding_pattern(Index keys) {
+  std::vector<std::uint8_t> padding;
+  for (Index b = 0; b < kBatch; ++b)
+    for (Index j = 0; j < keys; ++j) padding.push_back(j % 3 == (b + 1 + j / 6) % 3 ? 1 : 0);
+  return padding;
+}
+
+// One configuration of each layer: its full weights and options (the
+// masking comes from the Case).
+template <class T>
+headmix::MhaWeights<T> mha_weights(Rng& rng, Index H, Index Hkv, bool o) {
+  headmix::MhaWeights<T> w;
+  w.q = random_linear<T>(rng, H * kDk, kWidth);
+  w.k = random_linear<T>(rng, Hkv * kDk, kWidth);
+  w.v = random_linear<T>(rng, Hkv * kDv, kWidth);
+  if (o) w.o = random_linear<T>(rng, kOut, H * kDv);
+  return w;
+}
+
+template <class T>
+headmix::CollabHeadWeights<T> collab_weights(Rng& rng, Index H, Index R, bool layer_norm) {
+  headmix::CollabHeadWeights<T> w;
+  w.q = random_matrix<T>(rng, R, kWidth, 1.0 / std::sqrt(double(kWidth)));
+  w.k = random_matrix<T>(rng, R, kWidth, 1.0 / std::sqrt(double(kWidth)));
+  w.mixing = random_matrix<T>(rng, H, R, 1.0);
+  w.content_bias = random_matrix<T>(rng, H, kWidth, 1.0 / std::sqrt(double(kWidth)));
+  w.v = random_linear<T>(rng, H * kDv, kWidth);
+  w.o = random_linear<T>(rng, layer_norm ? kWidth : kOut, H * kDv);
+  if (layer_norm) {
+    w.layer_norm.weight = random_matrix<T>(rng, kWidth, 1, 0.5, 1.5);
+    w.layer_norm.bias = random_matrix<T>(rng, kWidth, 1, 0.5);
+  }
+  return w;
+}
+
+// h = 3 softmax heads between h_k = 4 key heads and h_v = 2 value heads,
+// K and V stored for 2 heads (grouped-query).
+template <class T>
+headmix::TalkingHeadsWeights<T> talking_heads_weights(Rng& rng) {
+  headmix::TalkingHeadsWeights<T> w;
+  w.q = random_linear<T>(rng, 4 * kDk, kWidth);
+  w.k = random_linear<T>(rng, 2 * kDk, kWidth);
+  w.v = random_linear<T>(rng, 2 * kDv, kWidth);
+  w.o = random_linear<T>(rng, kOut, 2 * kDv);
+  w.pre_softmax = random_matrix<T>(rng, 3, 4, 1.0 / std::sqrt(4.0));
+  w.post_softmax = random_matrix<T>(rng, 2, 3, 1.0 / std::sqrt(3.0));
+  return w;
+}
+
+headmix::MhaOptions mha_options(Index H, Index Hkv) {
+  headmix::MhaOptions o;
+  o.num_heads = H, o.num_kv_heads = Hkv == H ? 0 : Hkv;
+  return o;
+}
+headmix::CollabHeadOptions collab_options(Index H) {
+  headmix::CollabHeadOptions o;
+  o.num_heads = H;
+  return o;
+}
+headmix::TalkingHeadsOptions talking_heads_options() {
+  headmix::TalkingHeadsOptions o;
+  o.num_heads = 3, o.key_heads = 4, o.value_heads = 2, o.num_kv_heads = 2;
+  return o;
+}
+
+template <class Options>
+Options with_case(Options o, const Case& c) {
+  o.causal = c.causal, o.window = c.window, o.threads = c.threads;
+  o.block_rows = 2;  // several query blocks per chunk
+  return o;
+}
+
+// A layer's whole-sequence input and each rank's shard of it.
+template <class T>
+struct Input {
+  Index length;
+  Tensor<T> x;
+  std::vector<std::uint8_t> padding;
+
+  Input(const Case& c, unsigned seed) : length(c.length()) {
+    Rng rng(seed);
+    x = random_tensor<T>(rng, {kBatch, length, kWidth}, 1.0);
+    if (c.padded) padding = padding_pattern(length);
+  }
+  headmix::KeyPadding key_padding() const {
+    return padding.empty() ? headmix::KeyPadding{} : headmix::KeyPadding{padding.data(), kBatch, length};
+  }
+  headmix::AttentionInput<T> whole() const { return {x.batch(), {}, key_padding()}; }
+  // `shard` must outlive the input.
+  headmix::AttentionInput<T> mine(const Tensor<T>& shard) const { return {shard.batch(), {}, key_padding()}; }
+};
+
+// Every rank's shard [B, rows(r), W], broadcast by its rank, put back in
+// place: the whole output [B, T, W] on every rank.
+template <class T>
+Tensor<T> reassemble(const Tensor<T>& mine, const SequenceSplit& split) {
+  Tensor<T> whole({mine.dim(0), split.length(), mine.dim(2)});
+  for (int r = 0; r < world_size(); ++r) {
+    Tensor<T> part({mine.dim(0), split.rows(r), mine.dim(2)});
+    if (r == world_rank()) part = mine;
+    if (part.size() > 0) MPI_Bcast(part.data(), static_cast<int>(part.size()), mpi_type<T>(), r, MPI_COMM_WORLD);
+    split.put(part.batch(), r, whole.batch());
+  }
+  return whole;
+}
+
+// The sharded forward against the one-process layer for every case:
+// output rows (reassembled), a second call with the same workspace, the
+// counted bytes and the flops. Returns nothing; records the worst error.
+template <template <class> class Layer, class T, class Weights, class Options>
+void expect_equal_to_one_process(const Weights& w, const Options& base, unsigned seed) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.name);
+    const Options opt = with_case(base, c);
+    const Input<T> in(c, seed++);
+    const Layer<T> one(w, opt);
+    headmix::Workspace<T> ws1, ws;
+    const Tensor<T> want = one.forward(in.whole(), ws1);
+
+    SequenceParallel<Layer, T> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+    const SequenceSplit split = sharded.split(in.length);
+    const Tensor<T> shard = split.take(in.x.batch(), world_rank());
+    Communicator& comm = sharded.communicator();
+    comm.reset_bytes();
+    const Tensor<T> got = sharded.forward(in.mine(shard), in.length, ws);
+    EXPECT_EQ(comm.bytes(), sharded.comm_bytes(kBatch, in.length));
+    EXPECT_EQ(got.shape(), (std::vector<Index>{kBatch, split.rows(world_rank()), one.out_dim()}));
+
+    const Tensor<T> whole = reassemble(got, split);
+    EXPECT_TRUE(all_close("reassembled output vs one process", whole, widen(want), sharded_tolerance<T>()));
+    for (Index i = 0; i < whole.size(); ++i)
+      worst_error<T>() = std::max(worst_error<T>(), std::abs(double(whole[i]) - double(want[i])));
+    EXPECT_TRUE(bit_identical("a second call, same workspace", sharded.forward(in.mine(shard), in.length, ws), got));
+
+    // The ranks' attention work is one process's; each rank projects at
+    // least its rows' share of everything.
+    const headmix::FlopCount f = sharded.flops(kBatch, in.length), f1 = one.flops(kBatch, in.length, in.length);
+    EXPECT_EQ(sum_over_ranks(f.attention_macs), f1.attention_macs);
+    EXPECT_GE(sum_over_ranks(f.projection_macs), f1.projection_macs);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tests
+
+template <class T>
+class SequenceParallelTest : public ::testing::Test {};
+using Types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SequenceParallelTest, Types);
+
+TYPED_TEST(SequenceParallelTest, MhaEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(100);
+  expect_equal_to_one_process<headmix::Mha, T>(mha_weights<T>(rng, 4, 4, true), mha_options(4, 4), 1000);
+}
+
+TYPED_TEST(SequenceParallelTest, GroupedQueryMhaWithoutOEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(101);
+  expect_equal_to_one_process<headmix::Mha, T>(mha_weights<T>(rng, 4, 2, false), mha_options(4, 2), 1100);
+}
+
+TYPED_TEST(SequenceParallelTest, CollabHeadEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(102);
+  expect_equal_to_one_process<headmix::CollabHead, T>(collab_weights<T>(rng, 3, 6, false), collab_options(3), 1200);
+}
+
+TYPED_TEST(SequenceParallelTest, CollabHeadWithLayerNormEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(103);
+  expect_equal_to_one_process<headmix::CollabHead, T>(collab_weights<T>(rng, 2, 4, true), collab_options(2), 1300);
+}
+
+TYPED_TEST(SequenceParallelTest, TalkingHeadsEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(104);
+  expect_equal_to_one_process<headmix::TalkingHeads, T>(talking_heads_weights<T>(rng), talking_heads_options(), 1400);
+}
+
+// Against the naive double loops too: causal, key padding, grouped-query.
+TYPED_TEST(SequenceParallelTest, MhaMatchesNaiveLoops) {
+  using T = TypeParam;
+  Rng rng(105);
+  const headmix::MhaWeights<T> w = mha_weights<T>(rng, 4, 2, true);
+  const Case& c = kCases[2];
+  const headmix::MhaOptions opt = with_case(mha_options(4, 2), c);
+  const Input<T> in(c, 1500);
+  using headmix_ref::RefLinear;
+  const headmix_ref::RefMhaWeights rw{ref_linear_as<RefLinear>(w.q), ref_linear_as<RefLinear>(w.k),
+                                      ref_linear_as<RefLinear>(w.v), ref_linear_as<RefLinear>(w.o)};
+  headmix_ref::RefMhaOptions ro;
+  ro.num_heads = 4, ro.num_kv_heads = 2, ro.causal = true;
+  const auto want = headmix_ref::mha_reference(rw, ro, ref_batch(in.x), nullptr, in.padding);
+
+  const SequenceParallelMha<T> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+  const SequenceSplit split = sharded.split(in.length);
+  const Tensor<T> shard = split.take(in.x.batch(), world_rank());
+  headmix::Workspace<T> ws;
+  const Tensor<T> whole = reassemble(sharded.forward(in.mine(shard), in.length, ws), split);
+  EXPECT_TRUE(all_close("output vs naive loops", whole, want.output, default_tolerance<T>()));
+}
+
+TEST(SequenceSplit, ShardsPartitionTheSequence) {
+  for (const Index T_ : {1, 2, 5, 7, 12, 13}) {
+    for (const int P : {1, 2, 3, 4}) {
+      for (const bool causal : {false, true}) {
+        const SequenceSplit s(T_, P, causal);
+        std::vector<int> owner(static_cast<std::size_t>(T_), -1);
+        Index most = 0, least = T_;
+        for (int r = 0; r < P; ++r) {
+          const auto chunks = s.chunks(r);
+          ASSERT_EQ(chunks.size(), causal ? 2u : 1u);
+          for (const auto& c : chunks)
+            for (Index i = c.start; i < c.start + c.length; ++i) {
+              EXPECT_EQ(owner[static_cast<std::size_t>(i)], -1) << "position " << i << " held twice";
+              owner[static_cast<std::size_t>(i)] = r;
+            }
+          most = std::max(most, s.rows(r)), least = std::min(least, s.rows(r));
+        }
+        for (Index i = 0; i < T_; ++i) EXPECT_GE(owner[static_cast<std::size_t>(i)], 0) << "position " << i;
+        EXPECT_EQ(s.max_rows(), most);
+        EXPECT_LE(most - least, causal ? 2 : 1) << "T " << T_ << ", P " << P;
+      }
+    }
+  }
+  // The zig-zag: T = 8 on 2 ranks in chunks of 2: rank 0 holds 0-1 and 6-7.
+  const SequenceSplit s(8, 2, true);
+  EXPECT_EQ(s.chunks(0)[0].start, 0);
+  EXPECT_EQ(s.chunks(0)[1].start, 6);
+  EXPECT_EQ(s.chunks(1)[0].start, 2);
+  EXPECT_EQ(s.chunks(1)[1].start, 4);
+  // take() then put() restores every row.
+  Rng rng(7);
+  const Tensor<double> x = random_tensor<double>(rng, {2, 8, 3}, 1.0);
+  Tensor<double> back({2, 8, 3});
+  for (int r = 0; r < 2; ++r) s.put(s.take(x.batch(), r).batch(), r, back.batch());
+  EXPECT_TRUE(bit_identical("take then put", back, x));
+}
+
+// With T a multiple of 2P the zig-zag chunks are equal and every rank has
+// exactly the same attention work (contiguous causal shards would leave
+// the first rank far less than the last).
+TEST(SequenceParallelFlops, ZigZagBalancesCausalWork) {
+  Rng rng(200);
+  const auto w = mha_weights<double>(rng, 2, 2, true);
+  headmix::MhaOptions opt = mha_options(2, 2);
+  opt.causal = true;
+  const SequenceParallelMha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+  const Index T_ = 8 * world_size();
+  const long long mine = sharded.flops(kBatch, T_).attention_macs;
+  long long least = mine, most = mine;
+  MPI_Allreduce(MPI_IN_PLACE, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(least, most);
+  const headmix::Mha<double> one(w, opt);
+  EXPECT_EQ(mine * world_size(), one.flops(kBatch, T_, T_).attention_macs);
+}
+
+// comm_bytes against a count by hand: the agreement's 7 long longs, then
+// B · max_rows · D values of T.
+TEST(SequenceParallelBytes, CommBytesByHand) {
+  const int P = world_size();
+  Rng rng(201);
+  const auto w = mha_weights<float>(rng, 2, 2, true);
+  headmix::MhaOptions opt = mha_options(2, 2);
+  const SequenceParallelMha<float> contiguous(w, opt, Communicator(MPI_COMM_WORLD));
+  opt.causal = true;
+  const SequenceParallelMha<float> zigzag(w, opt, Communicator(MPI_COMM_WORLD));
+  // T = 4P+1: one contiguous shard has 5 rows, the others 4; one of the 2P
+  // zig-zag chunks has 3 rows, the others 2, so one rank holds 5.
+  const Index T_ = 4 * P + 1;
+  EXPECT_EQ(contiguous.comm_bytes(kBatch, T_), 7 * 8 + kBatch * 5 * kWidth * 4u);
+  EXPECT_EQ(zigzag.comm_bytes(kBatch, T_), 7 * 8 + kBatch * 5 * kWidth * 4u);
+  // T = 4P: every rank 4 rows either way.
+  EXPECT_EQ(zigzag.comm_bytes(kBatch, 4 * P), 7 * 8 + kBatch * 4 * kWidth * 4u);
+}
+
+// ---------------------------------------------------------------------------
+// Errors: each on every rank, no rank left in a collective.
+
+TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
+  Rng rng(300);
+  const auto w = mha_weights<double>(rng, 2, 2, true);
+  const Case& c = kCases[2];  // zig-zag, key padding
+  const headmix::MhaOptions opt = with_case(mha_options(2, 2), c);
+  const SequenceParallelMha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+  const Input<double> in(c, 301);
+  const SequenceSplit split = sharded.split(in.length);
+  const int me = world_rank(), last = world_size() - 1;
+  const Tensor<double> shard = split.take(in.x.batch(), me);
+  headmix::Workspace<double> ws;
+  const Tensor<double> want = sharded.forward(in.mine(shard), in.length, ws);
+  Tensor<double> out({kBatch, split.rows(me), kOut});
+
+  // The last rank passes one row more than its shard.
+  const Tensor<double> longer({kBatch, split.rows(last) + 1, kWidth});
+  auto bad = in.mine(shard);
+  if (me == last) bad.query = longer.batch();
+  expect_error_everywhere(
+      "shape_error", last, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      {"[sequence-parallel mha] input.query", "this rank's " + std::to_string(split.rows(last)) + " of " +
+                                                  std::to_string(in.length) + " positions"});
+
+  // Rank 0 passes its own rows' padding, not the whole sequence's.
+  const std::vector<std::uint8_t> short_padding(static_cast<std::size_t>(kBatch * split.rows(0)), 0);
+  bad = in.mine(shard);
+  if (me == 0) bad.key_padding = {short_padding.data(), kBatch, split.rows(0)};
+  expect_error_everywhere(
+      "shape_error", 0, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      {"input.key_padding_mask (the whole sequence's)", std::to_string(in.length)});
+
+  // The last rank passes a key sequence.
+  bad = in.mine(shard);
+  if (me == last) bad.key = in.x.batch();
+  expect_error_everywhere(
+      "shape_error", last, [&] { sharded.forward(bad, in.length, out.batch(), ws); }, {"input.key", "gathered"});
+
+  // Rank 0's output is one column narrow.
+  Tensor<double> narrow({kBatch, split.rows(me), kOut - 1});
+  expect_error_everywhere(
+      "shape_error", 0,
+      [&] { sharded.forward(in.mine(shard), in.length, (me == 0 ? narrow : out).batch(), ws); },
+      {"[sequence-parallel mha] output"});
+
+  // A length of 0 on every rank.
+  expect_error_everywhere(
+      "shape_error", -1, [&] { sharded.forward(in.mine(shard), 0, out.batch(), ws); }, {"length", ">= 1"});
+
+  // Valid on each rank, but only rank 0 passes padding: the others would
+  // mask differently.
+  bad = in.mine(shard);
+  if (me != 0) bad.key_padding = {};
+  expect_error_everywhere(
+      "shape_error", -1, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      {"arguments across ranks", "key padding from 0 to 1"});
+
+  // Valid on each rank, but the last rank passes one sequence fewer: the
+  // gather would not match.
+  bad = in.mine(shard);
+  Tensor<double> fewer({kBatch - 1, split.rows(me), kOut});
+  if (me == last) bad = {{shard.data(), kBatch - 1, split.rows(me), kWidth}, {}, {in.padding.data(), kBatch - 1, in.length}};
+  expect_error_everywhere(
+      "shape_error", -1, [&] { sharded.forward(bad, in.length, (me == last ? fewer : out).batch(), ws); },
+      {"batch from " + std::to_string(kBatch - 1) + " to " + std::to_string(kBatch)});
+
+  // Each rank's shard fits the length it passes, but the last rank's
+  // sequence is P positions longer.
+  const Index longer_length = in.length + world_size();
+  Rng other_rng(303);
+  const Tensor<double> other = random_tensor<double>(other_rng, {kBatch, longer_length, kWidth}, 1.0);
+  const Tensor<double> other_shard = sharded.split(longer_length).take(other.batch(), me);
+  Tensor<double> other_out({kBatch, other_shard.dim(1), kOut});
+  expect_error_everywhere(
+      "shape_error", -1,
+      [&] {
+        if (me == last)
+          sharded.forward({other_shard.batch(), {}, {}}, longer_length, other_out.batch(), ws);
+        else
+          sharded.forward({shard.batch(), {}, {}}, in.length, out.batch(), ws);
+      },
+      {"sequence length from " + std::to_string(in.length) + " to " + std::to_string(longer_length)});
+
+  // The layer still works on every rank.
+  sharded.forward(in.mine(shard), in.length, out.batch(), ws);
+  EXPECT_TRUE(bit_identical("output after the errors", out, want));
+}
+
+TEST(SequenceParallelErrors, BadWeightsOrOptionsThrowOnEveryRank) {
+  Rng rng(302);
+  const auto w = mha_weights<double>(rng, 2, 2, true);
+  headmix::MhaOptions opt = mha_options(2, 2);
+  opt.causal = true;
+  opt.causal_offset = 3;  // the split sets the offsets
+  expect_error_everywhere(
+      "shape_error", -1, [&] { SequenceParallelMha<double>(w, opt, Communicator(MPI_COMM_WORLD)); },
+      {"[sequence-parallel mha] causal_offset", "got 3"});
+  // The weights are checked as the one-process layer checks them.
+  auto narrow = w;
+  narrow.o.weight.conservativeResize(kOut, narrow.o.weight.cols() - 1);
+  expect_error_everywhere(
+      "shape_error", -1,
+      [&] { SequenceParallelMha<double>(narrow, mha_options(2, 2), Communicator(MPI_COMM_WORLD)); },
+      {"[mha] o.weight"});
+  // A checkpoint that lacks v.weight on the last rank only.
+  headmix::io::TensorFile full, lacking;
+  for (auto* f : {&full, &lacking}) {
+    f->put("attn.q.weight", headmix::io::StoredTensor::from(Tensor<double>({2 * kDk, kWidth})));
+    f->put("attn.k.weight", headmix::io::StoredTensor::from(Tensor<double>({2 * kDk, kWidth})));
+  }
+  full.put("attn.v.weight", headmix::io::StoredTensor::from(Tensor<double>({2 * kDv, kWidth})));
+  const int last = world_size() - 1;
+  expect_error_everywhere(
+      "io_error", last,
+      [&] {
+        SequenceParallelMha<double>::from_tensors(world_rank() == last ? lacking : full, "attn.", mha_options(2, 2),
+                                                  Communicator(MPI_COMM_WORLD));
+      },
+      {"attn.v.weight"});
+  // The same checkpoint everywhere loads.
+  const auto loaded =
+      SequenceParallelMha<double>::from_tensors(full, "attn.", mha_options(2, 2), Communicator(MPI_COMM_WORLD));
+  EXPECT_EQ(loaded.local().num_heads(), 2);
+}
+
+// Rank 0 prints the largest deviation from one process seen above.
+TEST(SequenceParallelSummary, WorstErrors) {
+  if (world_rank() == 0)
+    std::printf("largest |sharded - one process|: float %.3g (bound %.3g), double %.3g (bound %.3g)\n",
+                worst_error<float>(), sharded_tolerance<float>().atol, worst_error<double>(),
+                sharded_tolerance<double>().atol);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return headmix_mpi_test::run_all_tests(argc, argv); }
