@@ -94,6 +94,14 @@ headmix_ref::RefBatch ref_batch(const headmix::Tensor<T>& t) {
   return r;
 }
 
+/// Positions [at, at + n) of every sequence of `x`.
+template <class T>
+headmix::Tensor<T> positions(const headmix::Tensor<T>& x, headmix::Index at, headmix::Index n) {
+  headmix::Tensor<T> part({x.dim(0), n, x.dim(2)});
+  for (headmix::Index b = 0; b < x.dim(0); ++b) part.batch().item(b) = x.batch().item(b).middleRows(at, n);
+  return part;
+}
+
 /// Rank 0 prints GoogleTest's usual output; the others only their failures.
 class FailurePrinter : public ::testing::EmptyTestEventListener {
  public:

@@ -12,6 +12,7 @@
 // fails the run. MHA outputs are also checked against the naive double
 // loops (DCMHA's one-process layer is, in test_dcmha.cpp).
 
+#include "mpi/mpi_test_util.hpp"
 #include "test_util.hpp"
 
 #include "headmix/io/safetensors.hpp"
@@ -31,23 +32,13 @@
 namespace {
 
 using namespace headmix_test;
+using namespace headmix_mpi_test;
 using headmix::Index;
 using headmix::mpi::Communicator;
 using headmix::mpi::HeadParallelDcmha;
 using headmix::mpi::HeadParallelMha;
 
 constexpr Index kBatch = 2, kLength = 7, kKeys = 9, kWidth = 10, kKeyWidth = 6, kDk = 4, kDv = 3, kOut = 5;
-
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
 
 // Sharded against one process. The heads' own arithmetic is the same; what
 // changes is the order of sums: o's dot products over n = H·Dv terms become
@@ -181,14 +172,6 @@ DcmhaProblem<T> make_problem(const DcmhaCase& c, unsigned seed) {
   return p;
 }
 
-template <class T>
-headmix_ref::RefBatch ref_batch(const Tensor<T>& t) {
-  headmix_ref::RefBatch r;
-  r.batch = static_cast<int>(t.dim(0)), r.length = static_cast<int>(t.dim(1)), r.width = static_cast<int>(t.dim(2));
-  r.data = widen(t);
-  return r;
-}
-
 // The naive double loops on the full problem.
 template <class T>
 headmix_ref::RefMhaResult reference(const Problem<T>& p) {
@@ -202,74 +185,6 @@ headmix_ref::RefMhaResult reference(const Problem<T>& p) {
   if (p.kv.rank() == 0) return headmix_ref::mha_reference(w, o, q, nullptr, p.padding);
   const headmix_ref::RefBatch k = ref_batch(p.kv);
   return headmix_ref::mha_reference(w, o, q, &k, p.padding);
-}
-
-// Positions [at, at + n) of every sequence of `x`.
-template <class T>
-Tensor<T> positions(const Tensor<T>& x, Index at, Index n) {
-  Tensor<T> part({x.dim(0), n, x.dim(2)});
-  for (Index b = 0; b < x.dim(0); ++b) part.batch().item(b) = x.batch().item(b).middleRows(at, n);
-  return part;
-}
-
-// ---------------------------------------------------------------------------
-// Across ranks
-
-// `text` is the same on every rank (rank 0's, broadcast, is compared).
-::testing::AssertionResult same_on_every_rank(const std::string& text) {
-  long long n = static_cast<long long>(text.size());
-  MPI_Bcast(&n, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
-  std::string root(static_cast<std::size_t>(n), '\0');
-  if (world_rank() == 0) root = text;
-  MPI_Bcast(root.data(), static_cast<int>(n), MPI_CHAR, 0, MPI_COMM_WORLD);
-  if (root == text) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "rank " << world_rank() << " has \"" << text << "\", rank 0 \"" << root
-                                       << "\"";
-}
-
-// Sum of `v` over the ranks.
-long long sum_over_ranks(long long v) {
-  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
-  return v;
-}
-
-// Every rank reaches this point, and MPI's collectives are still matched:
-// after an error, the next collective of every rank is this one.
-void expect_all_ranks_here() { EXPECT_EQ(sum_over_ranks(1), world_size()); }
-
-// What `fn` threw: the exception's type and message.
-template <class Fn>
-std::pair<std::string, std::string> thrown(Fn&& fn) {
-  try {
-    fn();
-  } catch (const headmix::shape_error& e) {
-    return {"shape_error", e.what()};
-  } catch (const headmix::cache_full_error& e) {
-    return {"cache_full_error", e.what()};
-  } catch (const headmix::io::io_error& e) {
-    return {"io_error", e.what()};
-  } catch (const std::exception& e) {
-    return {"other", e.what()};
-  }
-  return {"none", ""};
-}
-
-// `fn` throws `type` on every rank; the message names every one of `parts`
-// and, on the ranks other than `failing` (-1: every rank fails alike and
-// the messages are identical), "on rank <failing>".
-template <class Fn>
-void expect_error_everywhere(const std::string& type, int failing, Fn&& fn, const std::vector<std::string>& parts) {
-  const auto [got, message] = thrown(fn);
-  EXPECT_EQ(got, type) << message;
-  EXPECT_TRUE(mentions(message, parts));
-  const std::string on_rank = "on rank " + std::to_string(failing);
-  if (failing < 0)
-    EXPECT_TRUE(same_on_every_rank(message));
-  else if (world_rank() == failing)
-    EXPECT_EQ(message.find("on rank"), std::string::npos) << message;
-  else
-    EXPECT_NE(message.find(on_rank), std::string::npos) << message;
-  expect_all_ranks_here();
 }
 
 // ---------------------------------------------------------------------------
@@ -779,38 +694,4 @@ TEST(Communicator, AgreeOnAnyException) {
 
 }  // namespace
 
-// ---------------------------------------------------------------------------
-
-// Rank 0 prints GoogleTest's usual output; the other ranks print only their
-// failures, prefixed with their rank.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_, r.file_name() ? r.file_name() : "?",
-                   r.line_number(), r.summary());
-  }
-
- private:
-  int rank_;
-};
-
-int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  ::testing::InitGoogleTest(&argc, argv);
-  const int rank = world_rank();
-  if (world_size() < 2) {  // the error cases need a rank that fails while another does not
-    std::fprintf(stderr, "run this under mpiexec with 2 or more processes (ctest does: -n 2 and -n 3)\n");
-    MPI_Finalize();
-    return 1;
-  }
-  if (rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new FailurePrinter(rank));
-  }
-  const int result = RUN_ALL_TESTS();
-  MPI_Finalize();
-  return result;
-}
+int main(int argc, char** argv) { return headmix_mpi_test::run_all_tests(argc, argv); }

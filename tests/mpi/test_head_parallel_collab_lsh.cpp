@@ -108,14 +108,6 @@ Problem<T> make_problem(const Case& c, unsigned seed) {
   return p;
 }
 
-// Positions [at, at + n) of every sequence of `x`.
-template <class T>
-Tensor<T> positions(const Tensor<T>& x, Index at, Index n) {
-  Tensor<T> part({x.dim(0), n, x.dim(2)});
-  for (Index b = 0; b < x.dim(0); ++b) part.batch().item(b) = x.batch().item(b).middleRows(at, n);
-  return part;
-}
-
 template <class T, class Check>
 void for_each_case(unsigned seed, Check check) {
   for (const Case& c : kCases) {
