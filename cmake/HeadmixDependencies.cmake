@@ -11,10 +11,12 @@ macro(headmix_find_dependencies)
   if(Eigen3_VERSION VERSION_LESS 3.4)
     message(FATAL_ERROR "headmix needs Eigen >= 3.4, found ${Eigen3_VERSION} at ${Eigen3_DIR}")
   endif()
-  # The safetensors reader parses its JSON header with nlohmann/json.
+  # The safetensors reader (headmix::io) parses its JSON header with
+  # nlohmann/json; without it, headmix::headmix alone is available.
   find_package(nlohmann_json 3.9 QUIET)
   if(NOT nlohmann_json_FOUND)
-    message(FATAL_ERROR "headmix needs nlohmann/json >= 3.9: install it with 'apt-get install nlohmann-json3-dev'")
+    message(STATUS "headmix: no nlohmann/json, so no headmix::io (safetensors files): "
+                   "install it with 'apt-get install nlohmann-json3-dev'")
   endif()
   set(THREADS_PREFER_PTHREAD_FLAG ON)
   find_package(Threads REQUIRED)

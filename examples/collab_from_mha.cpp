@@ -19,8 +19,9 @@
 // heads share half of their query/key directions, plus noise), runs the
 // whole flow on it at full and at half shared width, checks the results,
 // and exits 0 only if every check passes.
+#include <headmix/decomp.hpp>
 #include <headmix/headmix.hpp>
-#include <headmix/io/safetensors.hpp>
+#include <headmix/io.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -33,6 +33,7 @@
 // the reference row is NaN / Inf the layer's must be non-finite, elsewhere
 // it must match it.
 
+#include "headmix/decomp.hpp"
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
 #include "headmix/io/safetensors.hpp"

@@ -15,6 +15,7 @@
 //           to a probability at most twice over.
 // The 1e4-logit test loosens float further; its bound is derived there.
 
+#include "headmix/decomp.hpp"
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
 #include "reference/mha_reference.hpp"

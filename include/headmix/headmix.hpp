@@ -1,4 +1,6 @@
-// headmix: multi-head attention variants on Eigen. The one header to include.
+// headmix: multi-head attention variants on Eigen. The one header to
+// include for the layers; files (headmix/io.hpp, CMake target headmix::io)
+// and decompositions (headmix/decomp.hpp) are opt-in.
 #pragma once
 
 #include "headmix/core/attention_tensor.hpp"
@@ -17,8 +19,6 @@
 #include "headmix/core/softmax.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
-#include "headmix/decomp/cp_als.hpp"
-#include "headmix/decomp/mha_to_collab.hpp"
 #include "headmix/variants/collab_head.hpp"
 #include "headmix/variants/dcmha.hpp"
 #include "headmix/variants/lsh.hpp"

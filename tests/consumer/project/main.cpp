@@ -1,6 +1,10 @@
 // The smallest real use of headmix: one self-attention call.
 #include <headmix/headmix.hpp>
 
+#ifdef NLOHMANN_JSON_VERSION_MAJOR
+#error "headmix/headmix.hpp should not need nlohmann/json: only headmix/io.hpp does"
+#endif
+
 #include <iostream>
 
 int main() {
