@@ -28,7 +28,10 @@
 // A policy without has_pre_mix / has_post_mix has independent heads: the
 // pipeline runs each head alone, over blocks of run.key_block keys with an
 // online softmax (core/online_softmax.hpp), so its tile stays in cache at
-// any length, and the mixing paths are not compiled for it. Mixing heads
+// any length, and the mixing paths are not compiled for it. Such a policy
+// may say which consecutive heads read the same K and V
+// (kv_sharing_heads()) or the same K only (key_sharing_heads()); with
+// score_group, a one-row block then scores them as one product. Mixing heads
 // need every key of a row at once: their tiles span the block's keys.
 //
 // Projections happen before the pipeline (as GEMMs over all B·T rows) and
@@ -72,7 +75,20 @@ Index kv_sharing_heads(const P& policy) {
   return 1;
 }
 
-/// Whether a policy scores several KV-sharing heads of one query at once
+/// How many consecutive heads read the same K (all of them in CollabHead,
+/// whose keys are shared, while each head has its own V): a policy says so
+/// with key_sharing_heads(); else kv_sharing_heads().
+template <class P, class = void>
+struct has_key_sharing : std::false_type {};
+template <class P>
+struct has_key_sharing<P, std::void_t<decltype(&P::key_sharing_heads)>> : std::true_type {};
+template <class P>
+Index key_sharing_heads(const P& policy) {
+  if constexpr (has_key_sharing<P>::value) return policy.key_sharing_heads();
+  return kv_sharing_heads(policy);
+}
+
+/// Whether a policy scores several K-sharing heads of one query at once
 /// (DotProductStages::score_group).
 template <class P, class = void>
 struct stacks_heads : std::false_type {};
@@ -99,7 +115,7 @@ struct DenseRun {
 /// time, else max(score, softmax, value heads). `second_tile`: the policy
 /// mixes in stages of their own, which write to a second tile. `key_block`
 /// > 0: heads run alone over blocks of that many keys (the online softmax),
-/// `group` of them at a time (kv_sharing_heads).
+/// `group` of them at a time (key_sharing_heads).
 template <class T>
 void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool second_tile, Index block_rows,
                          Index keys, Index key_block = 0, Index group = 1) {
@@ -115,16 +131,18 @@ void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool secon
 
 namespace detail {
 /// One query row of every head, `group` heads at a time stacked as the rows
-/// of one tile: they share each K and V block, so a score block is one GEMM
-/// and a readout block another, where one head at a time would make them
-/// matrix-vector products. `context_row`: the query's [heads · dv] output,
+/// of one tile: they share each K block, so a score block is one GEMM that
+/// reads K once, where one head at a time would make `group`
+/// matrix-vector products each reading it. When they share V too
+/// (`shared_values`), a readout block is one GEMM as well; else each row
+/// reads its own head's V. `context_row`: the query's [heads · dv] output,
 /// which holds the group's outputs as a [group, dv] matrix; `probs`
 /// (nullable): head 0's row of exported weights, `head_stride` apart per
 /// head.
 template <class T, class Policy>
 void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1, Index S, const PositionMask& mask,
-                    const T* bias, Index key_block, Index group, T* context_row, T* probs, Index head_stride,
-                    Workspace<T>& ws, int w) {
+                    const T* bias, Index key_block, Index group, bool shared_values, T* context_row, T* probs,
+                    Index head_stride, Workspace<T>& ws, int w) {
   const Index hv = policy.value_heads(), dv = policy.value_dim();
   T* buf = ws.local(w, slot::tile_a, group * key_block);
   OnlineSoftmax<T> softmax(ws.local(w, slot::row_stats, 2 * group), group);
@@ -138,7 +156,10 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
       auto t = tile(kb);
       policy.score_group(b, h0, n_heads, t, q0, kb, ws, w);
       softmax.absorb(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, out, 0);
-      gemm(t, policy.values(b, h0, kb, t.cols(), ws, w), out, true);
+      if (shared_values)
+        gemm(t, policy.values(b, h0, kb, t.cols(), ws, w), out, true);
+      else
+        for (Index i = 0; i < n_heads; ++i) gemm(t.row(i), policy.values(b, h0 + i, kb, t.cols(), ws, w), out.row(i), true);
     }
     softmax.finish(out);
     if (!probs) continue;
@@ -171,7 +192,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
   // task in one call must not allocate in the next.
   reserve_dense_tiles(ws, run.threads, mixes ? tile_heads : 1, mixes && !fuses_mix_softmax<Policy>::value,
                       std::min(block, T_), S, mixes ? 0 : std::max<Index>(1, run.key_block),
-                      std::clamp<Index>(kv_sharing_heads(policy), 1, std::max<Index>(1, hv)));
+                      std::clamp<Index>(key_sharing_heads(policy), 1, std::max<Index>(1, hv)));
 
   parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
     const Index b = task / blocks, q0 = (task % blocks) * block, rows = std::min(block, T_ - q0);
@@ -209,9 +230,11 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, rows, std::min(key_block, k1 - kb)); };
       auto out_of = [&](Index h) { return context.block(b * T_ + q0, h * dv, rows, dv); };
       if constexpr (stacks_heads<Policy>::value) {
-        if (rows == 1 && group > 1) {  // a decoding step of grouped-query attention
-          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, group, &context(b * T_ + q0, 0),
-                         probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S, ws, w);
+        const Index key_group = std::clamp<Index>(key_sharing_heads(policy), 1, hv);
+        if (rows == 1 && key_group > 1) {  // a decoding step over shared keys (grouped-query, CollabHead)
+          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group, group == key_group,
+                                 &context(b * T_ + q0, 0), probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S,
+                                 ws, w);
           return;
         }
       }
