@@ -813,20 +813,20 @@ TEST(Decoding, GroupedQueryCacheHoldsOnlyKvHeads) {
     layer.step(x.batch(), cache, y.batch(), ws);
     EXPECT_EQ(cache.stream(0).cols(), kv_heads * dk) << kv_heads;
     EXPECT_EQ(cache.stream(1).cols(), kv_heads * dv) << kv_heads;
-    // Head-major: head g of item b holds that head's key and value of each
-    // position as one contiguous run (checked against x Wᵀ + b in loops).
+    // Head-major: head g of item b holds that head's keys (as K_gᵀ, one run
+    // per dimension) and values (one run per position); head() reads either
+    // as [capacity, dim] (checked against x Wᵀ + b in loops).
     const auto& w = layer.weights();
     for (Index b = 0; b < B; ++b)
       for (Index g = 0; g < kv_heads; ++g) {
-        const double* key = cache.head(0, b, g).data();
-        const double* value = cache.head(1, b, g).data();
-        EXPECT_EQ(cache.head(0, b, g).cols(), dk);
+        const auto key = cache.head(0, b, g), value = cache.head(1, b, g);
+        EXPECT_EQ(key.cols(), dk);
         for (Index c = 0; c < dk + dv; ++c) {
           const auto& lin = c < dk ? w.k : w.v;
           const Index row = c < dk ? g * dk + c : g * dv + (c - dk);
           double expect = lin.has_bias() ? lin.bias(row) : 0.0;
           for (Index d = 0; d < D; ++d) expect += x[b * D + d] * lin.weight(row, d);
-          EXPECT_NEAR(c < dk ? key[c] : value[c - dk], expect, 1e-12) << "item " << b << " head " << g << " col " << c;
+          EXPECT_NEAR(c < dk ? key(0, c) : value(0, c - dk), expect, 1e-12) << "item " << b << " head " << g << " col " << c;
         }
       }
     EXPECT_EQ(cache.stream(0).size() + cache.stream(1).size(), B * cap * kv_heads * (dk + dv)) << kv_heads;

@@ -2,9 +2,10 @@
 // variant whose scores are Q_a K_aᵀ per head (MHA, Talking-Heads, DCMHA).
 //
 // Q is a row-major [rows, heads · dim] buffer, batch item b's rows starting
-// at row b · queries. K and V are the same, with key_stride rows per item (a
-// cache's capacity, or S), or, with head_major_kv, [B, heads, key_stride,
-// dim] as a decoding cache stores them (sequence_cache.hpp). Grouped-query
+// at row b · queries. K and V are the same, with key_stride rows per item
+// (S), or head-major (head_major_kv): K_hᵀ [B, heads, dk, key_stride] and
+// V_h [B, heads, key_stride, dv], as packed() copies them and a decoding
+// cache stores them (sequence_cache.hpp; key_stride = its capacity). Grouped-query
 // attention maps heads onto fewer stored K/V heads in contiguous groups:
 // score head a reads K head a / k_group, value head c reads V head
 // c / v_group (groups of 1: one K/V head per head).
@@ -12,8 +13,9 @@
 // A forward call packs K and V once (packed()): K_hᵀ as [dk, keys] per head,
 // the operand the GEMM multiplies untransposed, and V_h as [keys, dv], so
 // that every block's product reads contiguous runs. A decoding step reads
-// them from the cache (reading()), in bfloat16 when the cache holds them so:
-// each block is widened into worker scratch just before its product.
+// them from the cache (reading()), which stores them the same way, in
+// bfloat16 when the cache holds them so: each block is widened into worker
+// scratch just before its product.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
@@ -53,7 +55,7 @@ struct DotProductStages {
   bool head_major_kv = false;                   ///< K and V as [B, heads, key_stride, dim]
   const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, key_stride] (packed())
   using Half = Eigen::bfloat16;
-  const Half* k_half = nullptr;                 ///< instead of k and v, head-major in bfloat16 (reading())
+  const Half* k_half = nullptr;                 ///< instead of kt and v, laid out alike in bfloat16 (reading())
   const Half* v_half = nullptr;
 
   /// Consecutive heads that read the same K and V, which the pipeline runs
@@ -77,8 +79,8 @@ struct DotProductStages {
   /// These stages with K_hᵀ and V_h copied once into the head-major shared
   /// Workspace slots (slot::packed_key, slot::packed_value), for `batch`
   /// items of `keys` rows: a forward call's many query blocks then multiply
-  /// contiguous runs, not every interleaved row. Caches (head_major_kv) are
-  /// already head-major and are used as they are.
+  /// contiguous runs, not every interleaved row. Stages already head-major
+  /// (a cache's) are used as they are.
   DotProductStages packed(Index batch, Index keys, Workspace<T>& ws, int threads) const {
     if (head_major_kv) return *this;
     DotProductStages p = *this;
@@ -96,15 +98,16 @@ struct DotProductStages {
     return p;
   }
 
-  /// These stages reading K and V from streams 0 and 1 of a decoding cache
-  /// (head-major, `key_stride` = its capacity), full or bfloat16. For a
-  /// bfloat16 cache, sizes every worker's widening scratch for a full cache
-  /// now, outside the parallel region, so that steps allocate nothing.
+  /// These stages reading K_hᵀ and V_h from streams 0 and 1 of a decoding
+  /// cache (laid out as packed() lays them out, `key_stride` = its capacity),
+  /// full or bfloat16. For a bfloat16 cache, sizes every worker's widening
+  /// scratch for a full cache now, outside the parallel region, so that
+  /// steps allocate nothing.
   DotProductStages reading(const SequenceCache<T>& cache, Workspace<T>& ws, int threads) const {
+    HEADMIX_ASSERT(cache.transposed(0));
     DotProductStages p = *this;
-    p.key_stride = cache.capacity(), p.head_major_kv = true, p.kt = nullptr;
+    p.key_stride = cache.capacity(), p.head_major_kv = true, p.k = p.kt = p.v = nullptr;
     if (cache.is_half(0)) {
-      p.k = p.v = nullptr;
       p.k_half = cache.half_stream(0), p.v_half = cache.half_stream(1);
       ws.reserve_workers(std::max(1, threads));
       for (int w = 0; w < std::max(1, threads); ++w) {
@@ -112,7 +115,7 @@ struct DotProductStages {
         ws.local(w, slot::widened_value, cache.capacity() * dv);
       }
     } else {
-      p.k = cache.stream_data(0), p.v = cache.stream_data(1);
+      p.kt = cache.stream_data(0), p.v = cache.stream_data(1);
     }
     return p;
   }
@@ -120,33 +123,37 @@ struct DotProductStages {
   /// Rows [k0, k0 + count) of V_{c / v_group} of batch item b: [count, dv]
   /// (from a bfloat16 cache: widened into worker w's scratch).
   ConstStridedMap<T> values(Index b, Index c, Index k0, Index count, Workspace<T>& ws, int w) const {
-    if (v_half) return widen(v_half, slot::widened_value, v_heads, dv, b, c / v_group, k0, count, ws, w);
+    if (v_half) {
+      T* out = ws.local(w, slot::widened_value, count * dv);
+      widen_bfloat16(v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv, count * dv, out);
+      return {out, count, dv, Eigen::OuterStride<>(dv)};
+    }
     return kv_rows(v, v_heads, dv, b, c / v_group, k0, count);
   }
 
  private:
-  // out = lhs · K_h[k0 .. k0 + out.cols())ᵀ, from the packed K_hᵀ when there is one.
+  // out = lhs · K_h[k0 .. k0 + out.cols())ᵀ, from K_hᵀ (packed, cached, or
+  // a bfloat16 cache's widened block) when there is one.
   template <class Lhs>
   void multiply_by_keys(const Lhs& lhs, Index b, Index h, Index k0, Eigen::Map<Matrix<T>> out, Workspace<T>& ws,
                         int w) const {
+    const Index cols = out.cols();
     if (kt) {
-      const ConstStridedMap<T> keys_t(kt + (b * k_heads + h) * dk * key_stride + k0, dk, out.cols(),
-                                      Eigen::OuterStride<>(key_stride));
-      gemm(lhs, keys_t, out);
-    } else if (k_half) {
-      out.noalias() = lhs * widen(k_half, slot::widened_key, k_heads, dk, b, h, k0, out.cols(), ws, w).transpose();
+      gemm(lhs, ConstStridedMap<T>(kt + (b * k_heads + h) * dk * key_stride + k0, dk, cols,
+                                   Eigen::OuterStride<>(key_stride)),
+           out);
+    } else if (k_half) {  // widened 64 KiB at a time, which the product then reads from L2
+      const Index chunk = std::max<Index>(64, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / 64 * 64);
+      T* keys_t = ws.local(w, slot::widened_key, dk * std::min(chunk, cols));
+      const Half* from = k_half + (b * k_heads + h) * dk * key_stride + k0;
+      for (Index c0 = 0; c0 < cols; c0 += chunk) {
+        const Index n = std::min(chunk, cols - c0);
+        for (Index d = 0; d < dk; ++d) widen_bfloat16(from + d * key_stride + c0, n, keys_t + d * n);
+        gemm(lhs, ConstStridedMap<T>(keys_t, dk, n, Eigen::OuterStride<>(n)), out.middleCols(c0, n));
+      }
     } else {
-      out.noalias() = lhs * kv_rows(k, k_heads, dk, b, h, k0, out.cols()).transpose();
+      out.noalias() = lhs * kv_rows(k, k_heads, dk, b, h, k0, cols).transpose();
     }
-  }
-
-  // Rows [k0, k0 + count) of head h of a head-major bfloat16 stream, as T
-  // in worker w's scratch slot `slot`.
-  ConstStridedMap<T> widen(const Half* base, std::size_t slot, Index heads, Index dim, Index b, Index h, Index k0,
-                           Index count, Workspace<T>& ws, int w) const {
-    T* out = ws.local(w, slot, count * dim);
-    widen_bfloat16(base + ((b * heads + h) * key_stride + k0) * dim, count * dim, out);
-    return {out, count, dim, Eigen::OuterStride<>(dim)};
   }
 
   ConstStridedMap<T> kv_rows(const T* base, Index heads, Index dim, Index b, Index h, Index k0, Index count) const {

@@ -9,7 +9,11 @@
 // [batch][head][capacity][width / heads]: a decoding step then reads each
 // head's keys and values as one contiguous run, which the hardware
 // prefetchers stream at full bandwidth, instead of a head_dim slice of
-// every position's row.
+// every position's row. The K stream of the dot-product layers is stored
+// transposed per head, [batch][head][width / heads][capacity]: K_hᵀ, the
+// operand a step's score product multiplies untransposed (as a forward's
+// packed K_hᵀ), so that it runs as a GEMM over contiguous key runs rather
+// than repacking every block of K.
 //
 // Half precision (CachePrecision::bfloat16): the K and V streams of the
 // dot-product layers (MHA, Talking-Heads, DCMHA) are stored as bfloat16,
@@ -92,9 +96,11 @@ class SequenceCache {
   /// each splits into (stored head-major; none given: 1 per stream); a cache
   /// set up for other widths or heads, or for another layer, is an error
   /// naming both. `kv_streams`: how many leading streams are K and V read
-  /// through DotProductStages, the ones a bfloat16 cache stores in half
-  /// precision; a layer with none cannot use a bfloat16 cache.
+  /// through DotProductStages (0, or 2: K then V), the ones a bfloat16 cache
+  /// stores in half precision, and K transposed per head (transposed());
+  /// a layer with none cannot use a bfloat16 cache.
   void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0) {
+    HEADMIX_ASSERT(kv_streams == 0 || kv_streams == 2);
     HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());
     auto heads_of = [&](std::size_t s) { return heads.rank() == 0 ? Index(1) : heads[s]; };
     if (precision_ == CachePrecision::bfloat16 && kv_streams == 0)
@@ -102,6 +108,7 @@ class SequenceCache {
                           "CachePrecision::bfloat16");
     if (streams_.empty() && half_streams_.empty() && size_ == 0) {
       widths_ = widths;
+      kv_count_ = kv_streams;
       half_count_ = precision_ == CachePrecision::bfloat16 ? kv_streams : 0;
       streams_.resize(widths.rank());
       half_streams_.resize(half_count_);
@@ -115,6 +122,8 @@ class SequenceCache {
       return;
     }
     check_shape(variant, "cache stream widths", widths, widths_);
+    if (kv_streams != kv_count_)
+      detail::throw_shape(variant, "cache K/V streams", std::to_string(kv_count_), std::to_string(kv_streams));
     for (std::size_t s = 0; s < widths.rank(); ++s)
       if (heads_of(s) != heads_[s])
         detail::throw_shape(variant, "cache stream " + std::to_string(s) + " heads", std::to_string(heads_[s]),
@@ -128,17 +137,23 @@ class SequenceCache {
   }
   /// Whether stream s is stored in bfloat16.
   bool is_half(std::size_t s) const { return s < half_count_; }
+  /// Whether stream s holds each head transposed, [width / heads, capacity]
+  /// (the K stream of the dot-product layers).
+  bool transposed(std::size_t s) const { return s == 0 && kv_count_ > 0; }
   /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
   /// a full-precision stream bound with one head.
   MatrixMap<T> stream(std::size_t s, Index b) {
     HEADMIX_ASSERT(heads_[s] == 1 && !is_half(s));
     return MatrixMap<T>(streams_[s].data() + b * capacity_ * widths_[s], capacity_, widths_[s]);
   }
-  /// Head h of full-precision stream s for batch item b: [capacity, width / heads].
-  MatrixMap<T> head(std::size_t s, Index b, Index h) {
+  /// Head h of full-precision stream s for batch item b: [capacity, width /
+  /// heads], position p in row p whatever the layout.
+  Eigen::Map<Matrix<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>> head(std::size_t s, Index b, Index h) {
     HEADMIX_ASSERT(!is_half(s));
     const Index dim = widths_[s] / heads_[s];
-    return MatrixMap<T>(streams_[s].data() + (b * heads_[s] + h) * capacity_ * dim, capacity_, dim);
+    using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+    return {streams_[s].data() + (b * heads_[s] + h) * capacity_ * dim, capacity_, dim,
+            transposed(s) ? Strides(1, capacity_) : Strides(dim, 1)};
   }
   /// Write `rows` [n, width] (a projection's rows, heads side by side) at
   /// positions [at, at + n) of stream s of batch item b, in the stream's
@@ -146,13 +161,17 @@ class SequenceCache {
   template <class Rows>
   void write(std::size_t s, Index b, Index at, const Rows& rows) {
     const Index dim = widths_[s] / heads_[s], n = rows.rows();
+    using Strided = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
     for (Index h = 0; h < heads_[s]; ++h) {
-      const Index first = ((b * heads_[s] + h) * capacity_ + at) * dim;
+      const Index head_start = (b * heads_[s] + h) * capacity_ * dim;
+      // Positions [at, at + n) of the head: rows, or columns when transposed.
+      const Index first = head_start + (transposed(s) ? at : at * dim);
+      const Strided strides = transposed(s) ? Strided(1, capacity_) : Strided(dim, 1);
       if (is_half(s))
-        Eigen::Map<Matrix<Half>>(half_streams_[s].data() + first, n, dim) =
+        Eigen::Map<Matrix<Half>, 0, Strided>(half_streams_[s].data() + first, n, dim, strides) =
             rows.middleCols(h * dim, dim).template cast<Half>();
       else
-        MatrixMap<T>(streams_[s].data() + first, n, dim) = rows.middleCols(h * dim, dim);
+        Eigen::Map<Matrix<T>, 0, Strided>(streams_[s].data() + first, n, dim, strides) = rows.middleCols(h * dim, dim);
     }
   }
   /// Full-precision stream s for all batch items as one [batch * capacity,
@@ -179,6 +198,7 @@ class SequenceCache {
   CachePrecision precision_ = CachePrecision::full;
   Shape widths_;
   std::array<Index, Shape::kMaxRank> heads_{};  ///< per stream: heads, stored head-major
+  std::size_t kv_count_ = 0;                    ///< streams [0, kv_count_) are K and V (K transposed)
   std::size_t half_count_ = 0;                  ///< streams [0, half_count_) are stored in bfloat16
   std::vector<Vector<T>> streams_;              ///< the full-precision streams (empty where half)
   std::vector<Eigen::Matrix<Half, Eigen::Dynamic, 1>> half_streams_;

@@ -76,6 +76,27 @@ struct CollabLayerNorm {
   double eps = 1e-5;  ///< torch's default
 
   bool empty() const { return weight.size() == 0 && bias.size() == 0; }
+
+  /// out ← LayerNorm(xq + y), row by row (rows are independent, so any thread
+  /// split gives the same bits); y is scratch and may be `out`. Public for a
+  /// head-parallel layer, which applies it after summing its heads.
+  void apply(const ConstMatrixMap<T>& xq, MatrixMap<T>& y, MatrixMap<T> out, int threads) const {
+    constexpr Index chunk = 256;
+    const Index n = y.rows();
+    const T e = static_cast<T>(eps), inv_width = T(1) / static_cast<T>(y.cols());
+    parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
+      const Index r0 = c * chunk, rows = std::min(chunk, n - r0);
+      auto z = y.middleRows(r0, rows);
+      z += xq.middleRows(r0, rows);
+      for (Index r = 0; r < rows; ++r) {
+        auto row = z.row(r).array();
+        const T mean = row.sum() * inv_width;
+        row -= mean;  // two passes: the variance of the centred row does not cancel
+        const T inv_std = T(1) / std::sqrt(row.square().sum() * inv_width + e);
+        out.row(r0 + r).array() = row * inv_std * weight.array().transpose() + bias.array().transpose();
+      }
+    });
+  }
 };
 
 /// Parameters in PyTorch layout (tensor names of the epfml layer in
@@ -286,7 +307,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
       y = ctx;
     else
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), y, opt_.threads);
-    if (has_layer_norm()) add_and_normalize(x.rows(), y, out.rows(), opt_.threads);
+    if (has_layer_norm()) w_.layer_norm.apply(x.rows(), y, out.rows(), opt_.threads);
   }
 
   // cb = scale · xk · content_biasᵀ, one row of H per key position.
@@ -303,9 +324,9 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     Index widest = 0;
     for (const auto& sp : span_) widest = std::max(widest, sp.second);
     const int workers = std::max(1, opt_.threads);
-    reserve_dense_tiles(ws, workers, 1, false, rows, keys);
+    reserve_dense_tiles(ws, workers, 1, false, rows, keys, opt_.keys_per_block(), num_heads());
     for (int w = 0; w < workers; ++w) {
-      ws.local(w, kMixedQuerySlot, rows * widest);
+      ws.local(w, kMixedQuerySlot, std::max(rows * widest, num_heads() * shared_dim()));  // score_group: all heads' span
       if (has_content_bias()) ws.local(w, kHeadBiasSlot, keys);
     }
   }
@@ -330,11 +351,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
         MatrixMap<T> mixed(ws.local(worker, kMixedQuerySlot, rows * width), rows, width);
         mixed.array() = q.block(b * T_ + q0, first, rows, width).array().rowwise() *
                         mix.row(h).segment(first, width).array();
-        if (kt)
-          gemm(mixed, ConstStridedMap<T>(kt + (b * k.cols() + first) * key_stride + k0, width, cols,
-                                         Eigen::OuterStride<>(key_stride)), out);
-        else
-          out.noalias() = mixed * k.block(b * key_stride + k0, first, cols, width).transpose();
+        times_keys(mixed, b, first, k0, out);
       } else {
         out.setZero();
       }
@@ -347,32 +364,45 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     auto values(Index b, Index h, Index k0, Index count, Workspace<T>&, int) const {
       return v.block(b * key_stride + k0, h * dv, count, dv);
     }
+
+    // Every head scores against the same shared keys, so a one-query block
+    // (a decoding step) scores `count` heads in one product that reads K
+    // once: row i = (q ∘ mix_{h0+i}) · Kᵀ over the heads' joint span of
+    // shared columns (outside a head's span its mixing is zero).
+    Index key_sharing_heads() const { return H; }
+    void score_group(Index b, Index h0, Index count, Eigen::Map<Matrix<T>> out, Index q0, Index k0,
+                     Workspace<T>& ws, int worker) const {
+      const Index cols = out.cols();
+      Index first = q.cols(), last = 0;
+      for (Index h = h0; h < h0 + count; ++h)
+        if (span[h].second > 0) first = std::min(first, span[h].first), last = std::max(last, span[h].first + span[h].second);
+      if (first < last) {
+        const Index width = last - first;
+        MatrixMap<T> mixed(ws.local(worker, kMixedQuerySlot, count * width), count, width);
+        mixed.array() = mix.block(h0, first, count, width).array().rowwise() *
+                        q.row(b * T_ + q0).segment(first, width).array();
+        times_keys(mixed, b, first, k0, out);
+      } else {
+        out.setZero();
+      }
+      if (content_bias) out += cb.block(b * key_stride + k0, h0, cols, count).transpose();
+    }
+
+   private:
+    // out = mixed · K[k0 .. k0 + out.cols(), first .. first + mixed.cols())ᵀ,
+    // from the packed Kᵀ when there is one.
+    void times_keys(const MatrixMap<T>& mixed, Index b, Index first, Index k0, Eigen::Map<Matrix<T>> out) const {
+      const Index width = mixed.cols(), cols = out.cols();
+      if (kt)
+        gemm(mixed, ConstStridedMap<T>(kt + (b * k.cols() + first) * key_stride + k0, width, cols,
+                                       Eigen::OuterStride<>(key_stride)), out);
+      else
+        out.noalias() = mixed * k.block(b * key_stride + k0, first, cols, width).transpose();
+    }
   };
 
   // Heads run one at a time, so one tile is resident per worker.
   Index block_rows(Index keys) const { return opt_.rows_per_block(1, keys, sizeof(T)); }
-
-  // out ← LayerNorm(xq + y), row by row (rows are independent, so any thread
-  // split gives the same bits); y is scratch.
-  void add_and_normalize(const ConstMatrixMap<T>& xq, MatrixMap<T>& y, MatrixMap<T> out, int threads) const {
-    constexpr Index chunk = 256;
-    const Index n = y.rows();
-    const T eps = static_cast<T>(w_.layer_norm.eps), inv_width = T(1) / static_cast<T>(y.cols());
-    const auto& gamma = w_.layer_norm.weight;
-    const auto& beta = w_.layer_norm.bias;
-    parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
-      const Index r0 = c * chunk, rows = std::min(chunk, n - r0);
-      auto z = y.middleRows(r0, rows);
-      z += xq.middleRows(r0, rows);
-      for (Index r = 0; r < rows; ++r) {
-        auto row = z.row(r).array();
-        const T mean = row.sum() * inv_width;
-        row -= mean;  // two passes: the variance of the centred row does not cancel
-        const T inv_std = T(1) / std::sqrt(row.square().sum() * inv_width + eps);
-        out.row(r0 + r).array() = row * inv_std * gamma.array().transpose() + beta.array().transpose();
-      }
-    });
-  }
 
   static void validate(const CollabHeadWeights<T>& w, const CollabHeadOptions& opt) {
     check_value(opt.num_heads >= 1, kName, "num_heads", ">= 1", opt.num_heads);
