@@ -728,12 +728,12 @@ std::vector<BadCase> catalogue() {
     o.dw_norm_eps = 0;
     layer.set_options(o);
   }, {"[dcmha] dw_norm_eps: expected a finite number > 0, got 0.000000"});
-  add("dcmha_forward_key_sequence_given", S::shape_error, [] {
+  add("dcmha_forward_key_sequence_width", S::shape_error, [] {
     DcmhaKit k;
     auto in = k.input();
-    in.key = ConstBatchView<double>(k.x.data(), 2, DcmhaKit::T, DcmhaKit::D);
+    in.key = ConstBatchView<double>(k.x.data(), 2, DcmhaKit::T, DcmhaKit::D - 1);
     k.forward(in, k.out_view());
-  }, {"[dcmha] input.key: expected none (DCMHA is self-attention: keys come from input.query), got [2, 5, 6]"});
+  }, {"[dcmha] input.key: expected [2, 5, 6], got [2, 5, 5]"});
   add("dcmha_forward_padding_mask_batch", S::shape_error, [] {
     DcmhaKit k;
     auto in = k.input();
@@ -769,8 +769,8 @@ std::vector<BadCase> catalogue() {
     other.layer().step({k.x.data(), 2, 1, DcmhaKit::D}, cache, {y.data(), 2, 1, DcmhaKit::Out}, ws);
     k.layer().step({k.x.data(), 2, 1, DcmhaKit::D}, cache, {k.out.data(), 2, 1, DcmhaKit::Out}, ws);
   }, {"[dcmha] cache stream widths: expected [", "got ["});
-  add("dcmha_flops_fewer_keys_than_queries", S::shape_error, [] { DcmhaKit().layer().flops(1, 5, 4); },
-      {"[dcmha] flops S: expected >= T = 5, got 4"});
+  add("dcmha_flops_negative_keys", S::shape_error, [] { DcmhaKit().layer().flops(1, 5, -1); },
+      {"[dcmha] flops S: expected >= 0, got -1"});
 
   // ---- safetensors accessors and reader -----------------------------------
   add("io_matrix_of_rank_1_tensor", S::shape_error, [] {

@@ -5,9 +5,12 @@
 // per-(t, s) composition matrix C is applied exactly as the spec writes it
 // out, term by term.
 //
-// Per batch item, with X [T, D]:
-//   q, k, v = X·Wqᵀ (+bq), X·Wkᵀ (+bk), X·Wvᵀ (+bv); A[h,t,s] = scale·q[t,h]·k[s,h]
-//   dynamic weights per position p, group g, slot c (0 pre-q, 1 pre-k, 2 post-q, 3 post-k):
+// Per batch item, with query rows Xq [T, D] and key rows Xk [S, D] (self-
+// attention: Xk = Xq):
+//   q, k, v = Xq·Wqᵀ (+bq), Xk·Wkᵀ (+bk), Xk·Wvᵀ (+bv); A[h,t,s] = scale·q[t,h]·k[s,h]
+//   dynamic weights per group g, slot c (0 pre-q, 1 pre-k, 2 post-q, 3 post-k)
+//   and position p: X = Xq for the query slots 0, 2 (p = t), Xk for the key
+//   slots 1, 3 (p = s):
 //     hid = GELU(X[p]·dw1[:,g,c,:]);  F[j,m] = Σ_k hid[k]·qkw[g,c,k,j,m]
 //     W1[r,m] = F[r,m] / sqrt(mean_m F[r,m]² + eps);  W2[r,m] = F[R+r,m]
 //     dd[m] = tanh(X[p]·dd[:,g,c·M+m])
@@ -59,17 +62,17 @@ struct RefDcmhaOptions {
 };
 
 struct RefDcmhaResult {
-  int B = 0, T = 0, H = 0, out_dim = 0;
+  int B = 0, T = 0, S = 0, H = 0, out_dim = 0;
   std::vector<double> output;   // [B, T, out_dim]
-  std::vector<double> probs;    // [B, H, T, T], after post-compose
-  std::vector<double> softmax;  // [B, H, T, T], before post-compose
+  std::vector<double> probs;    // [B, H, T, S], after post-compose
+  std::vector<double> softmax;  // [B, H, T, S], before post-compose
   std::int64_t projection_macs = 0;  // q, k, v, o
   std::int64_t dynamic_macs = 0;     // dynamic weights (dw1, qkw, RMS sum of squares, dd)
   std::int64_t score_macs = 0;       // q·k and P·v over visible pairs
   std::int64_t compose_macs = 0;     // pre- and post-compose over visible pairs
 
   double prob_at(int b, int h, int t, int s) const {
-    return probs[((static_cast<std::size_t>(b) * H + h) * T + t) * T + s];
+    return probs[((static_cast<std::size_t>(b) * H + h) * T + t) * S + s];
   }
 };
 
@@ -105,23 +108,26 @@ struct Factors {
 
 }  // namespace dcmha_detail
 
-/// x: [B, T, D] row-major. padding: [B, T] (1 = padded key) or empty.
+/// Queries xq [B, T, D] against keys xk [B, S, D], row-major. padding:
+/// [B, S] (1 = padded key) or empty.
 inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOptions& opt, int B, int T,
-                                      const std::vector<double>& x, const std::vector<std::uint8_t>& padding = {}) {
+                                      const std::vector<double>& xq, int S, const std::vector<double>& xk,
+                                      const std::vector<std::uint8_t>& padding = {}) {
   using dcmha_detail::Factors;
   const int D = w.D, H = w.H, dk = w.dk, dv = w.dv, G = w.G, R = w.R, K = w.K;
   if (G < 1 || H % G != 0) throw std::invalid_argument("dcmha_reference: H not divisible by G");
   const int M = H / G;
-  if (x.size() != static_cast<std::size_t>(B) * T * D) throw std::invalid_argument("dcmha_reference: x size");
+  if (xq.size() != static_cast<std::size_t>(B) * T * D) throw std::invalid_argument("dcmha_reference: xq size");
+  if (xk.size() != static_cast<std::size_t>(B) * S * D) throw std::invalid_argument("dcmha_reference: xk size");
   const int out_dim = w.out == 0 ? H * dv : w.out;
   const double scale = opt.scale != 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(dk));
   const double neg_inf = -std::numeric_limits<double>::infinity();
 
   RefDcmhaResult res;
-  res.B = B, res.T = T, res.H = H, res.out_dim = out_dim;
+  res.B = B, res.T = T, res.S = S, res.H = H, res.out_dim = out_dim;
   res.output.assign(static_cast<std::size_t>(B) * T * out_dim, 0.0);
-  res.probs.assign(static_cast<std::size_t>(B) * H * T * T, 0.0);
-  res.softmax.assign(static_cast<std::size_t>(B) * H * T * T, 0.0);
+  res.probs.assign(static_cast<std::size_t>(B) * H * T * S, 0.0);
+  res.softmax.assign(static_cast<std::size_t>(B) * H * T * S, 0.0);
 
   auto allowed = [&](int t, int s) {
     if (!opt.causal) return true;
@@ -143,18 +149,22 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
   auto dd_at = [&](int d, int g, int col) { return w.dd[(static_cast<std::size_t>(d) * G + g) * (4 * M) + col]; };
 
   for (int b = 0; b < B; ++b) {
-    const std::vector<double> xb(x.begin() + static_cast<std::ptrdiff_t>(b) * T * D,
-                                 x.begin() + static_cast<std::ptrdiff_t>(b + 1) * T * D);
-    const auto q = dcmha_detail::linear(xb, T, D, w.wq, w.bq, H * dk, res.projection_macs);
-    const auto k = dcmha_detail::linear(xb, T, D, w.wk, w.bk, H * dk, res.projection_macs);
-    const auto v = dcmha_detail::linear(xb, T, D, w.wv, w.bv, H * dv, res.projection_macs);
+    const std::vector<double> xqb(xq.begin() + static_cast<std::ptrdiff_t>(b) * T * D,
+                                  xq.begin() + static_cast<std::ptrdiff_t>(b + 1) * T * D);
+    const std::vector<double> xkb(xk.begin() + static_cast<std::ptrdiff_t>(b) * S * D,
+                                  xk.begin() + static_cast<std::ptrdiff_t>(b + 1) * S * D);
+    const auto q = dcmha_detail::linear(xqb, T, D, w.wq, w.bq, H * dk, res.projection_macs);
+    const auto k = dcmha_detail::linear(xkb, S, D, w.wk, w.bk, H * dk, res.projection_macs);
+    const auto v = dcmha_detail::linear(xkb, S, D, w.wv, w.bv, H * dv, res.projection_macs);
 
-    // Dynamic weights: fac[(p * G + g) * 4 + c].
-    std::vector<Factors> fac(static_cast<std::size_t>(T) * G * 4);
-    for (int p = 0; p < T; ++p)
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c) {
+    // Dynamic weights: fac[(p * G + g) * 4 + c], p a query position for the
+    // query slots (c even), a key position for the key slots.
+    std::vector<Factors> fac(static_cast<std::size_t>(std::max(T, S)) * G * 4);
+    for (int c = 0; c < 4; ++c)
+      for (int p = 0; p < (c % 2 == 0 ? T : S); ++p)
+        for (int g = 0; g < G; ++g) {
           if (!used[c]) continue;
+          const std::vector<double>& xb = c % 2 == 0 ? xqb : xkb;
           std::vector<double> hid(K);
           for (int kk = 0; kk < K; ++kk) {
             double u = 0;
@@ -234,13 +244,13 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
     };
 
     // Scores A[h][t][s] over visible pairs; others stay -inf.
-    std::vector<double> L(static_cast<std::size_t>(H) * T * T, neg_inf);
+    std::vector<double> L(static_cast<std::size_t>(H) * T * S, neg_inf);
     auto at = [&](std::vector<double>& a, int h, int t, int s) -> double& {
-      return a[(static_cast<std::size_t>(h) * T + t) * T + s];
+      return a[(static_cast<std::size_t>(h) * T + t) * S + s];
     };
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t)
-        for (int s = 0; s < T; ++s) {
+        for (int s = 0; s < S; ++s) {
           if (!allowed(t, s)) continue;
           double dot = 0;
           for (int e = 0; e < dk; ++e) {
@@ -252,7 +262,7 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
     std::vector<double> z(M);
     if (opt.use_pre)
       for (int t = 0; t < T; ++t)
-        for (int s = 0; s < T; ++s) {
+        for (int s = 0; s < S; ++s) {
           if (!allowed(t, s)) continue;
           for (int g = 0; g < G; ++g) {
             for (int m = 0; m < M; ++m) z[m] = at(L, g * M + m, t, s);
@@ -264,32 +274,32 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
     if (!padding.empty())
       for (int h = 0; h < H; ++h)
         for (int t = 0; t < T; ++t)
-          for (int s = 0; s < T; ++s)
-            if (padding[static_cast<std::size_t>(b) * T + s]) at(L, h, t, s) = neg_inf;
+          for (int s = 0; s < S; ++s)
+            if (padding[static_cast<std::size_t>(b) * S + s]) at(L, h, t, s) = neg_inf;
 
     // Softmax over s; a row with nothing visible stays all zero.
-    std::vector<double> P(static_cast<std::size_t>(H) * T * T, 0.0);
+    std::vector<double> P(static_cast<std::size_t>(H) * T * S, 0.0);
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t) {
         double mx = neg_inf;
-        for (int s = 0; s < T; ++s) mx = std::max(mx, at(L, h, t, s));
+        for (int s = 0; s < S; ++s) mx = std::max(mx, at(L, h, t, s));
         if (mx == neg_inf) continue;
         double sum = 0;
-        for (int s = 0; s < T; ++s) {
+        for (int s = 0; s < S; ++s) {
           const double e = at(L, h, t, s) == neg_inf ? 0.0 : std::exp(at(L, h, t, s) - mx);
           at(P, h, t, s) = e;
           sum += e;
         }
-        for (int s = 0; s < T; ++s) at(P, h, t, s) /= sum;
+        for (int s = 0; s < S; ++s) at(P, h, t, s) /= sum;
       }
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t)
-        for (int s = 0; s < T; ++s)
-          res.softmax[((static_cast<std::size_t>(b) * H + h) * T + t) * T + s] = at(P, h, t, s);
+        for (int s = 0; s < S; ++s)
+          res.softmax[((static_cast<std::size_t>(b) * H + h) * T + t) * S + s] = at(P, h, t, s);
 
     if (opt.use_post)
       for (int t = 0; t < T; ++t)
-        for (int s = 0; s < T; ++s) {
+        for (int s = 0; s < S; ++s) {
           if (!allowed(t, s)) continue;
           for (int g = 0; g < G; ++g) {
             for (int m = 0; m < M; ++m) z[m] = at(P, g * M + m, t, s);
@@ -299,8 +309,8 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
         }
     for (int h = 0; h < H; ++h)
       for (int t = 0; t < T; ++t)
-        for (int s = 0; s < T; ++s)
-          res.probs[((static_cast<std::size_t>(b) * H + h) * T + t) * T + s] = at(P, h, t, s);
+        for (int s = 0; s < S; ++s)
+          res.probs[((static_cast<std::size_t>(b) * H + h) * T + t) * S + s] = at(P, h, t, s);
 
     // Readout over visible pairs, then the output projection.
     std::vector<double> ctx(static_cast<std::size_t>(T) * H * dv, 0.0);
@@ -308,7 +318,7 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
       for (int t = 0; t < T; ++t)
         for (int e = 0; e < dv; ++e) {
           double acc = 0;
-          for (int s = 0; s < T; ++s) {
+          for (int s = 0; s < S; ++s) {
             if (!allowed(t, s)) continue;
             acc += at(P, h, t, s) * v[static_cast<std::size_t>(s) * H * dv + h * dv + e];
             ++res.score_macs;
@@ -320,6 +330,13 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
     std::copy(y.begin(), y.end(), res.output.begin() + static_cast<std::ptrdiff_t>(b) * T * out_dim);
   }
   return res;
+}
+
+/// Self-attention: x [B, T, D] row-major is both the queries and the keys.
+/// padding: [B, T] (1 = padded key) or empty.
+inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOptions& opt, int B, int T,
+                                      const std::vector<double>& x, const std::vector<std::uint8_t>& padding = {}) {
+  return dcmha_reference(w, opt, B, T, x, T, x, padding);
 }
 
 }  // namespace headmix_ref

@@ -1,6 +1,6 @@
 // DCMHA: dynamically composable multi-head attention (Xiao et al., ICML
-// 2024, "DCFormer"), self-attention, with the math of the reference code as
-// pinned down in shared/conformance/dcmha.md:
+// 2024, "DCFormer"), with the math of the reference code as pinned down in
+// shared/conformance/dcmha.md:
 //
 //   A[h,t,s] = scale · q[t,h]·k[s,h]
 //   L  = compose_pre(A)   (optional), masked (causal / window / padding)
@@ -11,24 +11,35 @@
 //
 //   z' = z · ( I + P_static + W1q(t)ᵀW2q(t) + diag(ddq(t)) + W1k(s)ᵀW2k(s) + diag(ddk(s)) )
 //
-// where the factors come from the layer input X through a small GELU MLP
+// where the factors come from the layer input through a small GELU MLP
 // (W1 rows RMS-normalised over the group's heads) and a tanh gate, once per
-// position. The [T, S, H, H] transform is never built: on a tile
-// [H, rows, cols] the query-wise factors are constants along a row and the
-// key-wise ones are coefficient rows along the columns, so every branch is a
-// rank-R projection plus a diagonal scaling done with vectorised
-// multiply-adds, and the static part is core mix_heads (one GEMM).
+// position: the query-wise ones (W1q, W2q, ddq) from the query rows, the
+// key-wise ones from the key rows. The keys are the queries (self-attention)
+// or a separate key sequence of the same width (the options' causal_offset
+// aligns the two), which is how a slice of query rows attends to the whole
+// sequence (sequence parallelism).
+//
+// The [T, S, H, H] transform is never built: on a tile [H, rows, cols] the
+// query-wise factors are constants along a row and the key-wise ones are
+// coefficient rows along the columns, so every branch is a rank-R
+// projection plus a diagonal scaling done with vectorised multiply-adds,
+// and the static part is core mix_heads (one GEMM).
 //
 // Incremental decoding: a SequenceCache keeps K, V and the key-side
 // factors; step() appends n positions and attends to everything cached,
 // O(S) per head per new token.
 //
 // Memory: besides the caller's output, a forward keeps in its Workspace
-//   Q, K [B·T, H·dk] + V, context [B·T, H·dv] + factors 2 · B·T · G·(2R+1)·M per used stage (T padded)
+//   Q [B·T, H·dk] + K [B·S, Hkv·dk] + V [B·S, Hkv·dv] + context [B·T, H·dv]
+//   + factors (B·T + B·S) · G·(2R+1)·M per used stage (S padded)
 //   + a forward: K and V again, copied head-major (DotProductStages::packed)
 //   + per worker: two tiles H · block_rows · S, the dynamic-weight scratch
 //     (64 rows × G·slots·(K+M)) and (M + 2R) KiB of compose scratch,
 // so attention memory grows with block_rows · S, never T · S.
+//
+// Files: dcmha/options.hpp (options, weights, multiply-add counts),
+// dcmha/factors.hpp (the dynamic-weight MLP), dcmha/compose.hpp (the
+// Compose kernels, fast and reference); this one, the layer.
 #pragma once
 
 #include "headmix/core/dot_product.hpp"
@@ -41,6 +52,9 @@
 #include "headmix/core/options.hpp"
 #include "headmix/core/pipeline.hpp"
 #include "headmix/core/sequence_cache.hpp"
+#include "headmix/variants/dcmha/compose.hpp"
+#include "headmix/variants/dcmha/factors.hpp"
+#include "headmix/variants/dcmha/options.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -52,57 +66,6 @@
 
 namespace headmix {
 
-/// GELU of the dynamic-weight MLP: the exact erf form (PyTorch reference)
-/// or the tanh approximation (flax default, which the JAX training used).
-enum class DcmhaGelu { erf, tanh };
-
-struct DcmhaOptions : DenseOptions {
-  Index num_heads = 1;
-  Index groups = 1;          ///< G: heads compose only within contiguous groups of M = H/G
-  Index num_kv_heads = 0;    ///< heads of K and V, a divisor of num_heads (grouped-query attention); 0 = num_heads
-  Index rank = 2;            ///< R of each dynamic low-rank term (the reference hard-codes 2)
-  bool use_pre = true;       ///< compose the scores before the softmax
-  bool use_post = true;      ///< compose the weights after the softmax
-  bool query_wise = true;    ///< the W1q/W2q/ddq terms, indexed by the query
-  bool key_wise = true;      ///< the W1k/W2k/ddk terms, indexed by the key
-  bool static_w = false;     ///< the static term P (dc.pre_w / dc.post_w); C then holds I + P
-  double dw_norm_eps = 1e-6; ///< epsilon of the scale-free RMSNorm on W1
-  DcmhaGelu gelu = DcmhaGelu::erf;
-};
-
-/// Parameters. q, k, v, o in PyTorch layout (o may be empty: the output is
-/// then the concatenated heads); the dc.* tensors in the reference's raw
-/// layout, where the size-4 slot axis is 0 pre/query, 1 pre/key,
-/// 2 post/query, 3 post/key.
-template <class T>
-struct DcmhaWeights {
-  Linear<T> q;      ///< [H·dk, D]
-  Linear<T> k;      ///< [H·dk, D]
-  Linear<T> v;      ///< [H·dv, D]
-  Linear<T> o;      ///< [out_dim, H·dv], optional
-  Tensor<T> dw1;    ///< dc.dw1 [D, G, 4, K]
-  Tensor<T> qkw;    ///< dc.qkw [G, 4, K, 2R, M]; rows 0..R-1 of the 2R axis make W1, R..2R-1 make W2
-  Tensor<T> dd;     ///< dc.dd  [D, G, 4·M]
-  Tensor<T> pre_w;  ///< dc.pre_w  [G, M, M], only with static_w
-  Tensor<T> post_w; ///< dc.post_w [G, M, M], only with static_w
-};
-
-/// Multiply-adds of one call, by kind.
-struct DcmhaFlops {
-  std::int64_t projection_macs = 0;  ///< q, k, v and o projections
-  std::int64_t dynamic_macs = 0;     ///< dynamic weights: dw1, qkw, the RMS sums of squares, dd
-  std::int64_t score_macs = 0;       ///< q·k and P·v over visible pairs
-  std::int64_t compose_macs = 0;     ///< pre- and post-compose over visible pairs
-  /// Per-position work counts as projection, per-pair work as attention.
-  FlopCount total() const { return {projection_macs + dynamic_macs, score_macs + compose_macs}; }
-};
-
-namespace detail {
-// Row stride for rows of n positions that are read side by side: padded so
-// that it is not a multiple of 4 KiB, which would put every row in the same
-// cache sets.
-inline Index dcmha_padded_stride(Index n) { return (n + 15) / 16 * 16 + 16; }
-}  // namespace detail
 
 template <class T>
 class Dcmha : public LayerForms<Dcmha<T>, T> {
@@ -177,26 +140,26 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     prepare();
   }
 
-  /// Self-attention over `in.query` [B, T, D] (in.key must be empty; key
-  /// padding [B, T] is allowed). `out` must be [B, T, out_dim]. With
-  /// `probs`, the final attention weights (after post-compose) are written
-  /// there as [B, H, T, T].
+  /// Attention of the queries `in.query` [B, T, D] over the keys `in.key`
+  /// [B, S, D] (empty: self-attention, the keys are the queries), with key
+  /// padding [B, S] if given. Q and the query-wise factors come from the
+  /// query rows; K, V and the key-wise factors from the key rows; the mask
+  /// is options().mask() (causal_offset and window included). `out` must be
+  /// [B, T, out_dim]. With `probs`, the final attention weights (after
+  /// post-compose) are written there as [B, H, T, S].
   void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
-    if (!in.self_attention())
-      detail::throw_shape(kName, "input.key", "none (DCMHA is self-attention: keys come from input.query)",
-                          detail::format_shape(in.key.shape()));
     check_input(kName, in, embed_dim(), embed_dim());
-    const Index B = in.query.batch(), T_ = in.query.length();
+    const Index B = in.query.batch(), T_ = in.query.length(), S = in.keys().length();
     check_output(kName, out, B, T_, out_dim());
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
 
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, H * dk);
-    MatrixMap<T> k = ws.shared_matrix(slot::key, B * T_, num_kv_heads() * dk);
-    MatrixMap<T> v = ws.shared_matrix(slot::value, B * T_, num_kv_heads() * dv);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, B * S, num_kv_heads() * dk);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, B * S, num_kv_heads() * dv);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
     project_rows<T>(w_.q, in.query.rows(), q, opt_.threads);
-    project_rows<T>(w_.k, in.query.rows(), k, opt_.threads);
-    project_rows<T>(w_.v, in.query.rows(), v, opt_.threads);
+    project_rows<T>(w_.k, in.keys().rows(), k, opt_.threads);
+    project_rows<T>(w_.v, in.keys().rows(), v, opt_.threads);
     q *= scale();  // composition is linear, so the scale folds into Q
 
     Sources src;
@@ -204,20 +167,25 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     src.queries = T_;
     src.k = k.data();
     src.v = v.data();
-    src.kv_stride = T_;
+    src.kv_stride = S;
     for (int st = 0; st < 2; ++st) {
       if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * T_ * factor_width());
       if (needs_key_factors(st))
-        src.kf[st] = ws.shared(shared_key_factors + st, B * factor_width() * detail::dcmha_padded_stride(T_));
+        src.kf[st] = ws.shared(shared_key_factors + st, B * factor_width() * detail::dcmha_padded_stride(S));
     }
     src.qf_stride = factor_width();
-    src.kf_row_stride = detail::dcmha_padded_stride(T_);
+    src.kf_row_stride = detail::dcmha_padded_stride(S);
     src.kf_batch_stride = factor_width() * src.kf_row_stride;
-    dynamic_factors(in.query.rows(), T_, 0, src, ws);
+    if (in.self_attention()) {
+      factors_.compute(in.query.rows(), T_, 0, src, ws, local_u, local_f);
+    } else {
+      factors_.compute(in.query.rows(), T_, 0, src, ws, local_u, local_f, Factors::Side::query);
+      factors_.compute(in.key.rows(), S, 0, src, ws, local_u, local_f, Factors::Side::key);
+    }
 
-    const DenseRun<T> run{B, T_, T_, opt_.mask(), in.key_padding,
-                          block_rows_for(T_), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
-    run_dense_pipeline(Policy{stages(src).packed(B, T_, ws, opt_.threads), this, src, run.mask, T_}, run, ws);
+    const DenseRun<T> run{B, T_, S, opt_.mask(), in.key_padding,
+                          block_rows_for(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
+    run_dense_pipeline(Policy{stages(src).packed(B, S, ws, opt_.threads), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
   }
 
@@ -261,7 +229,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     src.qf_stride = factor_width();
     src.kf_row_stride = detail::dcmha_padded_stride(cap);
     src.kf_batch_stride = cap * factor_stream_width(cap);
-    dynamic_factors(x.rows(), n, past, src, ws);
+    factors_.compute(x.rows(), n, past, src, ws, local_u, local_f);
 
     // Bottom-right: the last new position sees all.
     const DenseRun<T> run{B, n, S, opt_.step_mask(past), {}, block_rows_for(S), opt_.threads,
@@ -271,18 +239,36 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     cache.advance(n);
   }
 
-  /// Multiply-adds of a call that adds T new positions to S - T cached ones
-  /// (S = T: a forward), by kind.
-  DcmhaFlops flop_breakdown(Index B, Index T_, Index S) const {
-    check_value(S >= T_, kName, "flops S", ">= T = " + std::to_string(T_), S);
+  /// Multiply-adds of one forward of B sequences of T queries against S
+  /// keys, as Mha::flops counts them: Q, the output projection and the
+  /// query-wise factors over T rows, K, V and the key-wise factors over S
+  /// rows, the attention over the pairs options().mask() leaves visible.
+  DcmhaFlops flop_breakdown(Index B, Index T_, Index S) const { return count_macs(B, T_, S, S, opt_.mask()); }
+  /// Multiply-adds of a step() of n new positions after `past` cached ones:
+  /// n rows projected, attention under step's bottom-right causal mask.
+  DcmhaFlops step_flop_breakdown(Index B, Index n, Index past) const {
+    check_value(past >= 0, kName, "step flops past", ">= 0", past);
+    return count_macs(B, n, past + n, n, opt_.step_mask(past));
+  }
+  FlopCount flops(Index B, Index T_, Index S) const { return flop_breakdown(B, T_, S).total(); }
+
+ private:
+  // Multiply-adds of T queries against S keys under `mask`, with K, V and
+  // the key-wise factors computed for `key_rows` of the keys (S for a
+  // forward, the new positions for a step).
+  DcmhaFlops count_macs(Index B, Index T_, Index S, Index key_rows, const PositionMask& mask) const {
+    check_value(B >= 0, kName, "flops B", ">= 0", B);
+    check_value(T_ >= 0, kName, "flops T", ">= 0", T_);
+    check_value(S >= 0, kName, "flops S", ">= 0", S);
     const Index D = embed_dim(), H = num_heads(), dk = head_dim(), dv = v_head_dim();
     const Index G = groups(), M = group_heads(), R = rank(), K = dw_hidden_dim();
-    const PositionMask mask = S > T_ ? opt_.step_mask(S - T_) : opt_.mask();
     const std::int64_t pairs = mask.visible_pairs(T_, S);
     DcmhaFlops f;
-    f.projection_macs =
-        B * T_ * (D * (H * dk + num_kv_heads() * (dk + dv)) + (w_.o.empty() ? 0 : H * dv * out_dim()));
-    f.dynamic_macs = B * T_ * G * static_cast<Index>(slots_.size()) * (D * K + 2 * R * M * K + R * M + D * M);
+    f.projection_macs = B * (T_ * (D * H * dk + (w_.o.empty() ? 0 : H * dv * out_dim())) +
+                             key_rows * D * num_kv_heads() * (dk + dv));
+    Index query_slots = 0, key_slots = 0;
+    for (const int c : factors_.slots()) ++(c % 2 == 0 ? query_slots : key_slots);
+    f.dynamic_macs = B * (T_ * query_slots + key_rows * key_slots) * G * (D * K + 2 * R * M * K + R * M + D * M);
     f.score_macs = B * H * pairs * (dk + dv);
     std::int64_t per_pair = 0;  // per (t, s, group)
     for (int st = 0; st < 2; ++st) {
@@ -294,22 +280,17 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     f.compose_macs = B * pairs * G * per_pair;
     return f;
   }
-  FlopCount flops(Index B, Index T_, Index S) const { return flop_breakdown(B, T_, S).total(); }
 
- private:
-  // Where the pipeline finds its operands: Q of the new positions, K/V of a
-  // forward (a step reads the cache's: DotProductStages::reading), the
-  // key-side factors of all positions (the workspace's, or the cache's) and
-  // the query-side factors of the new positions.
-  struct Sources {
+  // Where the pipeline finds its operands: Q of the queries, K/V of a
+  // forward's keys (a step reads the cache's: DotProductStages::reading), the
+  // key-side factors of all keys (the workspace's, or the cache's) and the
+  // query-side factors of the queries.
+  struct Sources : detail::DcmhaFactorTargets<T> {  // the factors: qf rows of the queries, kf columns of the keys
     const T* q = nullptr;
     Index queries = 0;  // rows of Q per batch item
     const T* k = nullptr;
     const T* v = nullptr;
     Index kv_stride = 0;  // rows between batch items of K and V
-    T* qf[2] = {nullptr, nullptr};  // [B·queries, G·(2R+1)·M] per stage
-    T* kf[2] = {nullptr, nullptr};  // per stage: batch b, factor row j, position s at b·batch_stride + j·row_stride + s
-    Index qf_stride = 0, kf_batch_stride = 0, kf_row_stride = 0;
   };
 
   // Dot-product scores and readout over Q, K and V of `src`, with KV heads
@@ -345,16 +326,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     }
   };
 
-  // Column chunk of the compose loops (1 KiB of one head's row): a row's M
-  // head segments are gathered into L1 scratch, and the key-side coefficient
-  // rows of a chunk ((2R+1)·M of them) stay in L2 while every row of the
-  // tile uses them.
-  static constexpr Index kComposeChunk = 1024 / static_cast<Index>(sizeof(T));
-  // Rows per task of the dynamic-weight GEMMs (fixed, so results do not
-  // depend on the thread count).
-  static constexpr Index kFactorRows = 64;
+  using Factors = detail::DcmhaFactors<T>;
   // Workspace slots: per stage (pre, post), the query-side and key-side
-  // factors; per worker, the compose scratch.
+  // factors; per worker, the factor MLP's scratch and the compose scratch.
   enum : std::size_t {
     shared_query_factors = slot::variant,
     shared_key_factors = slot::variant + 2,
@@ -395,159 +369,26 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
   }
 
-  // Dynamic factors of the rows of `x` (sequences of `len` rows each): the
-  // query side into src.qf rows, the key side into src.kf columns
-  // first_pos + (row mod len). One GEMM X·[dw1 | dd] over the used slots,
-  // then one [rows, K]·[K, 2R·M] GEMM per (group, slot).
-  void dynamic_factors(const ConstMatrixMap<T>& x, Index len, Index first_pos, const Sources& src,
-                       Workspace<T>& ws) const {
-    if (slots_.empty()) return;
-    const Index N = x.rows(), G = groups(), M = group_heads(), R = rank(), K = dw_hidden_dim();
-    const Index units = G * static_cast<Index>(slots_.size()), hidden_cols = units * K, ucols = dyn_in_.cols();
-    const Index FW = group_factor_width();
-    const T eps = static_cast<T>(opt_.dw_norm_eps);
-    ws.reserve_workers(std::max(1, opt_.threads));
-    parallel_for((N + kFactorRows - 1) / kFactorRows, opt_.threads, [&](Index task, int w) {
-      const Index r0 = task * kFactorRows, rows = std::min(kFactorRows, N - r0);
-      MatrixMap<T> u(ws.local(w, local_u, rows * ucols), rows, ucols);
-      MatrixMap<T> f(ws.local(w, local_f, rows * 2 * R * M), rows, 2 * R * M);
-      u.noalias() = x.middleRows(r0, rows) * dyn_in_;
-      if (opt_.gelu == DcmhaGelu::erf)
-        u.leftCols(hidden_cols) = u.leftCols(hidden_cols).unaryExpr([](T z) {
-          return T(0.5) * z * (T(1) + std::erf(z * T(0.70710678118654752440)));
-        });
-      else
-        u.leftCols(hidden_cols) = u.leftCols(hidden_cols).unaryExpr([](T z) {
-          return T(0.5) * z * (T(1) + std::tanh(T(0.79788456080286535588) * (z + T(0.044715) * z * z * z)));
-        });
-      u.rightCols(ucols - hidden_cols).array() = u.rightCols(ucols - hidden_cols).array().tanh();
-
-      for (Index unit = 0; unit < units; ++unit) {
-        const Index g = unit / static_cast<Index>(slots_.size());
-        const int c = slots_[static_cast<std::size_t>(unit % static_cast<Index>(slots_.size()))];
-        const int st = c / 2;
-        const bool query_side = c % 2 == 0;
-        f.noalias() = u.middleCols(unit * K, K) * qkw_[static_cast<std::size_t>(unit)];
-        for (Index i = 0; i < rows; ++i) {
-          for (Index r = 0; r < R; ++r) {  // scale-free RMSNorm of each W1 row over the M heads
-            auto w1 = f.row(i).segment(r * M, M);
-            w1 *= T(1) / std::sqrt(w1.squaredNorm() / static_cast<T>(M) + eps);
-          }
-          const T* fr = &f(i, 0);
-          const T* dd = &u(i, hidden_cols + unit * M);
-          const Index p = r0 + i;
-          if (query_side) {
-            T* dst = src.qf[st] + p * src.qf_stride + g * FW;
-            std::copy_n(fr, 2 * R * M, dst);
-            std::copy_n(dd, M, dst + 2 * R * M);
-          } else {
-            const Index rs = src.kf_row_stride;
-            T* dst = src.kf[st] + (p / len) * src.kf_batch_stride + g * FW * rs + first_pos + p % len;
-            for (Index j = 0; j < 2 * R * M; ++j) dst[j * rs] = fr[j];
-            for (Index m = 0; m < M; ++m) dst[(2 * R * M + m) * rs] = dd[m];
-          }
-        }
-      }
-    });
-  }
-
-  // What compose_lines needs about one tile row, from its first column on.
-  struct Line_args {
-    const T* z;  // head m's values at z + m·plane
-    T* o;        // head n's output at o + n·plane
-    Index plane;
-    const T* qf;  // query-side factors of this row and group: W1 [R, M], W2 [R, M], dd [M]
-    const T* kf;  // key-side factor row j at kf + j·rs (or null)
-    Index rs;
-    const Matrix<T>* mix;  // (I + P)ᵀ of the group, or null
-    Index M;
-    bool qw, kw, static_loop, accumulate;  // accumulate: out already holds the static GEMM's I + P term
-    T identity;
-    T* scratch;  // M · kLine values
-  };
-  static constexpr Index kLine = 64 / static_cast<Index>(sizeof(T));  // one cache line
-
-  // Compose the first (len / kLine) · kLine columns of a row, one cache
-  // line of every head at a time: the line is read once (into a scratch
-  // line, which the second pass reads back from L1), and the 2R rank
-  // projections stay in registers. Returns the number of columns done.
-  template <int R_>
-  static Index compose_lines(const Line_args& a, Index len) {
-    using Line = Eigen::Array<T, kLine, 1>;
-    using CLine = Eigen::Map<const Line>;
-    using WLine = Eigen::Map<Line>;
-    const Index M = a.M, RM = R_ * M;
-    Index x = 0;
-    for (; x + kLine <= len; x += kLine) {
-      const T* z = a.z + x;
-      T* o = a.o + x;
-      const T* kf = a.kf ? a.kf + x : nullptr;
-      Line qa[R_], kb[R_];
-      for (int i = 0; i < R_; ++i) qa[i].setZero(), kb[i].setZero();
-      for (Index m = 0; m < M; ++m) {
-        const Line zm = CLine(z + m * a.plane);
-        WLine(a.scratch + m * kLine) = zm;
-        for (int i = 0; i < R_; ++i) {
-          if (a.qw) qa[i] += a.qf[i * M + m] * zm;
-          if (a.kw) kb[i] += CLine(kf + (i * M + m) * a.rs) * zm;
-        }
-      }
-      for (Index n = 0; n < M; ++n) {
-        const CLine zn(a.scratch + n * kLine);
-        const T diag = a.identity + (a.qw ? a.qf[2 * RM + n] : T(0));
-        Line on = a.kw ? ((CLine(kf + (2 * RM + n) * a.rs) + diag) * zn).eval() : (diag * zn).eval();
-        if (a.static_loop) {
-          for (Index m = 0; m < M; ++m) on += (*a.mix)(n, m) * CLine(a.scratch + m * kLine);
-        } else if (a.accumulate) {
-          on += CLine(o + n * a.plane);
-        }
-        for (int i = 0; i < R_; ++i) {
-          if (a.qw) on += a.qf[RM + i * M + n] * qa[i];
-          if (a.kw) on += CLine(kf + (RM + i * M + n) * a.rs) * kb[i];
-        }
-        WLine(o + n * a.plane) = on;
-      }
-    }
-    return x;
-  }
-
-  // Ask for the next row's lines early: the tile is bigger than L2, and its
-  // rows are too short for the hardware prefetcher to pick them up.
-  static void prefetch_row(const T* z, T* o, Index len, Index M, Index plane) {
-#if defined(__GNUC__) || defined(__clang__)
-    for (Index m = 0; m < M; ++m)
-      for (Index c = 0; c < len; c += kLine) {
-        __builtin_prefetch(z + m * plane + c, 0, 3);
-        __builtin_prefetch(o + m * plane + c, 1, 3);
-      }
-#else
-    (void)z, (void)o, (void)len, (void)M, (void)plane;
-#endif
-  }
-
   // One compose stage on a tile: out = in · C(t, s) per group, on the
-  // visible keys of each row (others are set to 0).
+  // visible keys of each row (others are set to 0), a column chunk of every
+  // row at a time (dcmha/compose.hpp).
   void compose(int st, const Policy& pol, Index b, const AttentionTensor<T>& in, const AttentionTensor<T>& out,
                Workspace<T>& ws, int w) const {
-    using Arr = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
-    using CArr = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
     const Index rows = in.rows(), cols = in.cols(), plane = rows * cols;
     const Index q0 = in.first_query(), k0 = in.first_key();
-    const Index G = groups(), M = group_heads(), R = rank(), RM = R * M, FW = group_factor_width();
+    const Index G = groups(), M = group_heads(), R = rank(), FW = group_factor_width();
     const bool qw = opt_.query_wise, kw = opt_.key_wise, sw = opt_.static_w;
     const Sources& src = pol.src;
     const Index rs = src.kf_row_stride;
-    // Scratch: the gathered head segments of one row chunk, then the 2R
-    // rank projections. The tile's head planes lie rows·cols apart, often a
-    // multiple of 4 KiB (same cache sets), so they are read once, in order,
-    // into this contiguous buffer and used from there.
-    constexpr Index CH = kComposeChunk;
-    T* zbuf = ws.local(w, local_compose, (M + 2 * R) * CH);  // also holds compose_lines' M·kLine scratch
-    T* acc = zbuf + M * CH;  // a_i at acc + i·CH (query-wise), b_i at acc + (R + i)·CH (key-wise)
+    // The tile's head planes lie rows·cols apart, often a multiple of 4 KiB
+    // (same cache sets), so the kernels read them once, in order, into this
+    // contiguous scratch and use them from there.
+    constexpr Index CH = detail::compose_chunk<T>;
+    T* scratch = ws.local(w, local_compose, (M + 2 * R) * CH);
     // The static term I + P: one mix_heads GEMM over the group's tile, except
     // on single-row tiles (decoding), where Eigen's GEMM would pack (and for
     // long caches heap-allocate) more than the M² multiply-adds per key it
-    // saves; those take it in the loop below.
+    // saves; those take it in the kernels.
     const bool static_gemm = sw && rows > 1, static_loop = sw && rows == 1;
     const T identity = sw ? T(0) : T(1);  // with a static term, I is part of its weights
 
@@ -574,6 +415,8 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       }
       const T* kfg = kw ? src.kf[st] + b * src.kf_batch_stride + g * FW * rs + k0 : nullptr;
 
+      // A chunk of columns of every row in turn: the chunk's key-wise
+      // coefficient rows ((2R+1)·M of them) stay in L2 while every row uses them.
       for (Index c0 = 0; c0 < cols; c0 += CH) {
         const Index c1 = std::min(cols, c0 + CH);
         for (Index r = 0; r < rows; ++r) {
@@ -581,84 +424,23 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
           lo = std::max(lo, c0);
           hi = std::min(hi, c1);
           if (lo >= hi) continue;
-          if (r + 1 < rows) prefetch_row(zg + (r + 1) * cols + lo, og + (r + 1) * cols + lo, hi - lo, M, plane);
+          if (r + 1 < rows)
+            detail::prefetch_compose_row(zg + (r + 1) * cols + lo, og + (r + 1) * cols + lo, hi - lo, M, plane);
           const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
-          Line_args la{zg + r * cols + lo, og + r * cols + lo, plane, qf, kw ? kfg + lo : nullptr, rs, mix, M,
-                       qw, kw, static_loop, sw, identity, zbuf};
-          // Whole cache lines in registers (R = 1, 2); the rest, and other ranks, in the loops below.
-          const Index done = R == 2 ? compose_lines<2>(la, hi - lo) : R == 1 ? compose_lines<1>(la, hi - lo) : 0;
-          lo += done;
-          if (lo >= hi) continue;
-          const Index len = hi - lo;
-          const T* z = zg + r * cols + lo;  // head m at z + m·plane
-          T* o = og + r * cols + lo;
-          const T* kf = kw ? kfg + lo : nullptr;  // factor row j at kf + j·rs
-
-          // Gather, and the rank projections a_i = Σ_m W1q[i,m] z_m (scalar
-          // weights), b_i = Σ_m W1k[i,m](s) ⊙ z_m (weights along the keys).
-          for (Index m = 0; m < M; ++m) {
-            Arr zm(zbuf + m * CH, len);
-            zm = CArr(z + m * plane, len);
-            for (Index i = 0; i < R; ++i) {
-              if (qw) {
-                Arr a(acc + i * CH, len);
-                if (m == 0) a = qf[i * M + m] * zm; else a += qf[i * M + m] * zm;
-              }
-              if (kw) {
-                Arr bk(acc + (R + i) * CH, len);
-                const CArr c(kf + (i * M + m) * rs, len);
-                if (m == 0) bk = c * zm; else bk += c * zm;
-              }
-            }
-          }
-          // out_n (+)= [Σ_m (I + P)[m,n] z_m] + z_n (I + ddq + ddk)_n + Σ_i W2q[i,n] a_i + Σ_i W2k[i,n](s) ⊙ b_i
-          for (Index n = 0; n < M; ++n) {
-            const CArr zn(zbuf + n * CH, len);
-            Arr on(o + n * plane, len);
-            if (static_loop) {
-              on = (*mix)(n, 0) * CArr(zbuf, len);
-              for (Index m = 1; m < M; ++m) on += (*mix)(n, m) * CArr(zbuf + m * CH, len);
-            }
-            const T diag = identity + (qw ? qf[2 * RM + n] : T(0));
-            if (kw) {
-              const CArr ddk(kf + (2 * RM + n) * rs, len);
-              if (sw) on += (ddk + diag) * zn; else on = (ddk + diag) * zn;
-            } else {
-              if (sw) on += diag * zn; else on = diag * zn;
-            }
-            for (Index i = 0; i < R; ++i) {
-              if (qw) on += qf[RM + i * M + n] * CArr(acc + i * CH, len);
-              if (kw) on += CArr(kf + (RM + i * M + n) * rs, len) * CArr(acc + (R + i) * CH, len);
-            }
-          }
+          const detail::ComposeSegment<T> segment{zg + r * cols + lo, og + r * cols + lo, plane, qf,
+                                                  kw ? kfg + lo : nullptr, rs, mix, M, R, static_loop, sw,
+                                                  identity, scratch};
+          detail::compose_segment(segment, hi - lo);
         }
       }
     }
   }
 
-  // Pack the used slots of dc.dw1 / dc.dd into one input matrix and each
-  // (group, slot) of dc.qkw into a [K, 2R·M] matrix; the static terms into
+  // The dynamic-weight MLP's packed weights, and the static terms as
   // mix_heads weights (I + P)ᵀ.
   void prepare() {
-    const Index D = embed_dim(), G = groups(), M = group_heads(), R = rank(), K = dw_hidden_dim();
-    slots_.clear();
-    for (int c = 0; c < 4; ++c)
-      if (c % 2 == 0 ? needs_query_factors(c / 2) : needs_key_factors(c / 2)) slots_.push_back(c);
-    const Index ns = static_cast<Index>(slots_.size()), units = G * ns;
-    dyn_in_.setZero(D, units * (K + M));
-    qkw_.assign(static_cast<std::size_t>(units), Matrix<T>());
-    for (Index g = 0; g < G; ++g)
-      for (Index si = 0; si < ns; ++si) {
-        const Index unit = g * ns + si, c = slots_[static_cast<std::size_t>(si)];
-        for (Index d = 0; d < D; ++d) {
-          for (Index kk = 0; kk < K; ++kk) dyn_in_(d, unit * K + kk) = w_.dw1[((d * G + g) * 4 + c) * K + kk];
-          for (Index m = 0; m < M; ++m) dyn_in_(d, units * K + unit * M + m) = w_.dd[(d * G + g) * 4 * M + c * M + m];
-        }
-        Matrix<T>& q = qkw_[static_cast<std::size_t>(unit)];
-        q.resize(K, 2 * R * M);
-        for (Index kk = 0; kk < K; ++kk)
-          for (Index j = 0; j < 2 * R * M; ++j) q(kk, j) = w_.qkw[((g * 4 + c) * K + kk) * 2 * R * M + j];
-      }
+    factors_.prepare(w_, opt_);
+    const Index G = groups(), M = group_heads();
     for (int st = 0; st < 2; ++st) {
       static_mix_[st].clear();
       if (!opt_.static_w || !stage_used(st)) continue;
@@ -724,9 +506,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
 
   DcmhaWeights<T> w_;
   DcmhaOptions opt_;
-  std::vector<int> slots_;             // used slots c (0 pre/q, 1 pre/k, 2 post/q, 3 post/k)
-  Matrix<T> dyn_in_;                   // [D, G·slots·K | G·slots·M]: dw1 then dd columns
-  std::vector<Matrix<T>> qkw_;         // per (group, slot): [K, 2R·M]
+  Factors factors_;                    // the dynamic-weight MLP, packed for the used slots
   std::vector<Matrix<T>> static_mix_[2];  // per stage and group: (I + P)ᵀ, [M, M]
 };
 

@@ -1,0 +1,180 @@
+// DCMHA's Compose on one segment of one tile row of one head group: the M
+// head values z_m at each key column s become
+//
+//   out_n = Σ_m (I + P)[m,n] z_m  +  z_n (1 + ddq_n + ddk_n(s))
+//         + Σ_i W2q[i,n] a_i  +  Σ_i W2k[i,n](s) b_i,
+//   a_i = Σ_m W1q[i,m] z_m,   b_i = Σ_m W1k[i,m](s) z_m,
+//
+// (the query-wise factors are constants along the row, the key-wise ones
+// coefficient rows along the columns; see variants/dcmha.hpp). Two kernels
+// compute it: compose_lines, one cache line of every head at a time with
+// the rank projections in registers (R = 1 or 2: the layer's fast path),
+// and compose_generic, plain vector loops for any R, which the layer runs
+// on what compose_lines leaves (the row's tail, other ranks) and which is
+// the reference the fast one is tested against.
+#pragma once
+
+#include "headmix/core/types.hpp"
+
+#include <algorithm>
+
+namespace headmix::detail {
+
+/// One row segment's operands.
+template <class T>
+struct ComposeSegment {
+  const T* z;           ///< head m's values at z + m·plane
+  T* o;                 ///< head n's output at o + n·plane
+  Index plane;
+  const T* qf;          ///< query-wise factors of the row and group: W1 [R, M], W2 [R, M], dd [M]; or null
+  const T* kf;          ///< key-wise factor row j at kf + j·rs; or null
+  Index rs;
+  const Matrix<T>* mix; ///< (I + P)ᵀ of the group, when static_loop
+  Index M, R;
+  bool static_loop;     ///< apply I + P here (else it is absent, or already in `o`: accumulate)
+  bool accumulate;      ///< `o` already holds the static GEMM's (I + P) term
+  T identity;           ///< 1, or 0 when I is part of the static term
+  T* scratch;           ///< (M + 2R) · compose_chunk<T> values
+
+  /// The same segment from column `x` on.
+  ComposeSegment from(Index x) const {
+    ComposeSegment s = *this;
+    s.z += x, s.o += x;
+    if (s.kf) s.kf += x;
+    return s;
+  }
+};
+
+/// Columns per generic segment: 1 KiB of one head's row, so that the
+/// gathered heads stay in L1 and a chunk's key-wise rows in L2.
+template <class T>
+inline constexpr Index compose_chunk = 1024 / static_cast<Index>(sizeof(T));
+/// One cache line of T.
+template <class T>
+inline constexpr Index compose_line = 64 / static_cast<Index>(sizeof(T));
+
+/// The first (len / line) · line columns of the segment, one cache line of
+/// every head at a time: each line is read once (into scratch, which the
+/// second pass reads back from L1) and the 2R rank projections stay in
+/// registers. R_ must equal s.R. Returns the number of columns done.
+template <int R_, class T>
+Index compose_lines(const ComposeSegment<T>& s, Index len) {
+  constexpr Index L = compose_line<T>;
+  using Line = Eigen::Array<T, L, 1>;
+  using CLine = Eigen::Map<const Line>;
+  using WLine = Eigen::Map<Line>;
+  const Index M = s.M, RM = R_ * M;
+  const bool qw = s.qf != nullptr, kw = s.kf != nullptr;
+  Index x = 0;
+  for (; x + L <= len; x += L) {
+    const T* z = s.z + x;
+    T* o = s.o + x;
+    const T* kf = kw ? s.kf + x : nullptr;
+    Line qa[R_], kb[R_];
+    for (int i = 0; i < R_; ++i) qa[i].setZero(), kb[i].setZero();
+    for (Index m = 0; m < M; ++m) {
+      const Line zm = CLine(z + m * s.plane);
+      WLine(s.scratch + m * L) = zm;
+      for (int i = 0; i < R_; ++i) {
+        if (qw) qa[i] += s.qf[i * M + m] * zm;
+        if (kw) kb[i] += CLine(kf + (i * M + m) * s.rs) * zm;
+      }
+    }
+    for (Index n = 0; n < M; ++n) {
+      const CLine zn(s.scratch + n * L);
+      const T diag = s.identity + (qw ? s.qf[2 * RM + n] : T(0));
+      Line on = kw ? ((CLine(kf + (2 * RM + n) * s.rs) + diag) * zn).eval() : (diag * zn).eval();
+      if (s.static_loop) {
+        for (Index m = 0; m < M; ++m) on += (*s.mix)(n, m) * CLine(s.scratch + m * L);
+      } else if (s.accumulate) {
+        on += CLine(o + n * s.plane);
+      }
+      for (int i = 0; i < R_; ++i) {
+        if (qw) on += s.qf[RM + i * M + n] * qa[i];
+        if (kw) on += CLine(kf + (RM + i * M + n) * s.rs) * kb[i];
+      }
+      WLine(o + n * s.plane) = on;
+    }
+  }
+  return x;
+}
+
+/// All `len` columns of the segment (any R), compose_chunk<T> at a time:
+/// gather the heads into scratch, form the rank projections a_i and b_i,
+/// then each output head.
+template <class T>
+void compose_generic(const ComposeSegment<T>& s, Index len) {
+  using Arr = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+  using CArr = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+  constexpr Index CH = compose_chunk<T>;
+  const Index M = s.M, R = s.R, RM = R * M;
+  const bool qw = s.qf != nullptr, kw = s.kf != nullptr, sw = s.static_loop || s.accumulate;
+  T* zbuf = s.scratch;
+  T* acc = zbuf + M * CH;  // a_i at acc + i·CH (query-wise), b_i at acc + (R + i)·CH (key-wise)
+  for (Index x0 = 0; x0 < len; x0 += CH) {
+    const Index n_cols = std::min(CH, len - x0);
+    const T* z = s.z + x0;
+    T* o = s.o + x0;
+    const T* kf = kw ? s.kf + x0 : nullptr;
+    for (Index m = 0; m < M; ++m) {
+      Arr zm(zbuf + m * CH, n_cols);
+      zm = CArr(z + m * s.plane, n_cols);
+      for (Index i = 0; i < R; ++i) {
+        if (qw) {
+          Arr a(acc + i * CH, n_cols);
+          if (m == 0) a = s.qf[i * M + m] * zm; else a += s.qf[i * M + m] * zm;
+        }
+        if (kw) {
+          Arr b(acc + (R + i) * CH, n_cols);
+          const CArr c(kf + (i * M + m) * s.rs, n_cols);
+          if (m == 0) b = c * zm; else b += c * zm;
+        }
+      }
+    }
+    for (Index n = 0; n < M; ++n) {
+      const CArr zn(zbuf + n * CH, n_cols);
+      Arr on(o + n * s.plane, n_cols);
+      if (s.static_loop) {
+        on = (*s.mix)(n, 0) * CArr(zbuf, n_cols);
+        for (Index m = 1; m < M; ++m) on += (*s.mix)(n, m) * CArr(zbuf + m * CH, n_cols);
+      }
+      const T diag = s.identity + (qw ? s.qf[2 * RM + n] : T(0));
+      if (kw) {
+        const CArr ddk(kf + (2 * RM + n) * s.rs, n_cols);
+        if (sw) on += (ddk + diag) * zn; else on = (ddk + diag) * zn;
+      } else {
+        if (sw) on += diag * zn; else on = diag * zn;
+      }
+      for (Index i = 0; i < R; ++i) {
+        if (qw) on += s.qf[RM + i * M + n] * CArr(acc + i * CH, n_cols);
+        if (kw) on += CArr(kf + (RM + i * M + n) * s.rs, n_cols) * CArr(acc + (R + i) * CH, n_cols);
+      }
+    }
+  }
+}
+
+/// The whole segment: compose_lines where it applies, compose_generic on
+/// the rest (`generic_only`: all of it, the reference path).
+template <class T>
+void compose_segment(const ComposeSegment<T>& s, Index len, bool generic_only = false) {
+  Index done = 0;
+  if (!generic_only) done = s.R == 2 ? compose_lines<2>(s, len) : s.R == 1 ? compose_lines<1>(s, len) : 0;
+  if (done < len) compose_generic(s.from(done), len - done);
+}
+
+/// Ask for the next row's lines early: a compose tile is bigger than L2,
+/// and its rows are too short for the hardware prefetcher to pick them up.
+template <class T>
+void prefetch_compose_row(const T* z, T* o, Index len, Index M, Index plane) {
+#if defined(__GNUC__) || defined(__clang__)
+  for (Index m = 0; m < M; ++m)
+    for (Index c = 0; c < len; c += compose_line<T>) {
+      __builtin_prefetch(z + m * plane + c, 0, 3);
+      __builtin_prefetch(o + m * plane + c, 1, 3);
+    }
+#else
+  (void)z, (void)o, (void)len, (void)M, (void)plane;
+#endif
+}
+
+}  // namespace headmix::detail
