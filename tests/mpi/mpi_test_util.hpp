@@ -1,11 +1,13 @@
 // Helpers shared by the MPI test programs: the world's rank and size,
 // checks across ranks (an error on every rank, the same text on every
-// rank), and the body of main(): run_all_tests() owns MPI_Init /
+// rank, forward_scatter against one process's rows, gathered probs), and the body of main(): run_all_tests() owns MPI_Init /
 // MPI_Finalize and prints other ranks' failures with their rank.
 #pragma once
 
 #include "headmix/core/error.hpp"
+#include "headmix/core/input.hpp"
 #include "headmix/core/sequence_cache.hpp"
+#include "headmix/core/workspace.hpp"
 #include "headmix/io/io_error.hpp"
 #include "reference/mha_reference.hpp"
 #include "test_util.hpp"
@@ -14,6 +16,7 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -100,6 +103,83 @@ headmix::Tensor<T> positions(const headmix::Tensor<T>& x, headmix::Index at, hea
   headmix::Tensor<T> part({x.dim(0), n, x.dim(2)});
   for (headmix::Index b = 0; b < x.dim(0); ++b) part.batch().item(b) = x.batch().item(b).middleRows(at, n);
   return part;
+}
+
+/// forward_scatter: this rank's contiguous rows of the one-process output,
+/// and scatter_comm_bytes() is what the Communicator counted. Lengths: the
+/// problem's and P - 1 (one rank gets no row). `Problem_` has x, kv,
+/// padding (of the keys) and input().
+template <class T, class Problem_, class One, class Sharded>
+void expect_scatter_equal(const Problem_& p, const One& one, Sharded& sharded, headmix_test::Tolerance tol) {
+  const int P = world_size(), r = world_rank();
+  for (const headmix::Index length : {p.x.dim(1), headmix::Index(P - 1)}) {
+    SCOPED_TRACE("length " + std::to_string(length));
+    Problem_ q = p;
+    q.x = positions(p.x, 0, length);
+    if (p.kv.rank() == 0) q.padding.clear();  // self-attention: the padding follows the length
+    headmix::Workspace<T> ws1, ws;
+    const headmix::Tensor<T> full = one.forward(q.input(), ws1);
+    const auto split = sharded.output_split(length);
+    EXPECT_EQ(split.first(r), r * length / P);
+    sharded.communicator().reset_counts();
+    const headmix::Tensor<T> got = sharded.forward_scatter(q.input(), ws);
+    EXPECT_EQ(sharded.communicator().bytes(), sharded.scatter_comm_bytes(p.x.dim(0), length));
+    EXPECT_EQ(sharded.communicator().collectives(), 2u);  // the agreement, the reduce-scatter
+    EXPECT_EQ(got.shape(), (std::vector<headmix::Index>{p.x.dim(0), split.rows(r), one.out_dim()}));
+    const headmix::Tensor<T> mine = positions(full, split.first(r), split.rows(r));
+    EXPECT_TRUE(headmix_test::all_close("this rank's rows", got, headmix_test::widen(mine), tol));
+    EXPECT_EQ(sum_over_ranks(split.rows(r)), length);
+  }
+}
+
+/// A sequence-parallel forward with probs: it hands comm_bytes() +
+/// probs_comm_bytes() to MPI in three collectives (the agreement, the
+/// sequence, the weights). Returns this rank's output rows.
+template <class T, class Sharded>
+headmix::Tensor<T> forward_with_probs(Sharded& sharded, const headmix::AttentionInput<T>& mine, headmix::Index length,
+                                      headmix::Workspace<T>& ws, headmix::Tensor<T>& probs) {
+  const headmix::Index B = mine.query.batch();
+  sharded.communicator().reset_counts();
+  headmix::Tensor<T> out = sharded.forward(mine, length, ws, &probs);
+  EXPECT_EQ(sharded.communicator().bytes(), sharded.comm_bytes(B, length) + sharded.probs_comm_bytes(B, length));
+  EXPECT_EQ(sharded.communicator().collectives(), 3u);
+  return out;
+}
+
+/// Gathered weights `got` against one process's `want` [B, H, T, T]: the
+/// same shape, close within `tol`, and exactly 0 on both wherever
+/// masked(b, i, j) (key j hidden from query i of sequence b).
+template <class T, class Masked>
+void expect_probs_equal(const headmix::Tensor<T>& got, const headmix::Tensor<T>& want, headmix_test::Tolerance tol,
+                        Masked&& masked) {
+  ASSERT_EQ(got.shape(), want.shape());
+  EXPECT_TRUE(headmix_test::all_close("gathered probs vs one process", got, headmix_test::widen(want), tol));
+  const headmix::Index B = want.dim(0), H = want.dim(1), T_ = want.dim(2);
+  long long hidden = 0, nonzero_got = 0, nonzero_want = 0;
+  for (headmix::Index b = 0; b < B; ++b)
+    for (headmix::Index h = 0; h < H; ++h)
+      for (headmix::Index i = 0; i < T_; ++i)
+        for (headmix::Index j = 0; j < T_; ++j) {
+          if (!masked(b, i, j)) continue;
+          const headmix::Index at = ((b * H + h) * T_ + i) * T_ + j;
+          ++hidden;
+          nonzero_got += got[at] != T(0);
+          nonzero_want += want[at] != T(0);
+        }
+  EXPECT_EQ(nonzero_got, 0) << "masked entries not exactly 0 in the gathered probs, of " << hidden;
+  EXPECT_EQ(nonzero_want, 0) << "masked entries not exactly 0 in one process's probs, of " << hidden;
+}
+
+/// Probs asked for on rank 0 only: every rank throws the same shape_error
+/// (the agreed probs request differs) and none waits in the weights' gather.
+template <class T, class Sharded>
+void expect_probs_on_one_rank_throw(const Sharded& sharded, const headmix::AttentionInput<T>& mine,
+                                    headmix::Index length, headmix::BatchView<T> out, headmix::Workspace<T>& ws) {
+  headmix::Tensor<T> probs;
+  expect_error_everywhere(
+      "shape_error", -1,
+      [&] { sharded.forward(mine, length, out, ws, world_rank() == 0 ? &probs : nullptr); },
+      {"arguments across ranks", "probs from 0 to 1"});
 }
 
 /// Rank 0 prints GoogleTest's usual output; the others only their failures.

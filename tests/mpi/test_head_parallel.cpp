@@ -343,6 +343,49 @@ TYPED_TEST(HeadParallelMhaTest, CommBytesAreWhatIsHandedToMpi) {
   });
 }
 
+TYPED_TEST(HeadParallelMhaTest, ForwardScatterIsTheRanksRowsOfOneProcess) {
+  using T = TypeParam;
+  for_each_case<T>(kCases, 1000, [](const Case& c, const auto& p, const auto& one, auto& sharded) {
+    if (c.o) expect_scatter_equal<T>(p, one, sharded, sharded_tolerance<T>());
+  });
+}
+
+TYPED_TEST(HeadParallelDcmhaTest, ForwardScatterIsTheRanksRowsOfOneProcess) {
+  using T = TypeParam;
+  for_each_case<T>(kDcmhaCases, 1100, [](const DcmhaCase& c, const auto& p, const auto& one, auto& sharded) {
+    if (c.o) expect_scatter_equal<T>(p, one, sharded, sharded_tolerance<T>());
+  });
+}
+
+// After the prompt (which binds the caches: agreement, then data), a step
+// is one collective, two with probs; step_comm_bytes() is what it hands
+// to MPI.
+TYPED_TEST(HeadParallelMhaTest, OneCollectivePerDecodingStep) {
+  using T = TypeParam;
+  for_each_case<T>(kCases, 1200, [](const Case& c, const auto& p, const auto&, auto& sharded) {
+    if (c.cross) return;
+    headmix::SequenceCache<T> cache(kBatch, kLength);
+    headmix::Workspace<T> ws;
+    Communicator& comm = sharded.communicator();
+    comm.reset_counts();
+    sharded.step(positions(p.x, 0, 2).batch(), cache, ws);
+    EXPECT_EQ(comm.collectives(), 2u);
+    EXPECT_EQ(comm.bytes(), sharded.comm_bytes(kBatch, 2));
+    comm.reset_counts();
+    sharded.step(positions(p.x, 2, 1).batch(), cache, ws);
+    EXPECT_EQ(comm.collectives(), 1u);
+    EXPECT_EQ(comm.bytes(), sharded.step_comm_bytes(kBatch, 1));
+    // The status: a failure flag and two entries for each of 2 values, per rank.
+    EXPECT_EQ(sharded.step_comm_bytes(kBatch, 1), (kBatch * sharded.out_dim() + 5 * world_size()) * sizeof(T));
+    Tensor<T> probs;
+    comm.reset_counts();
+    sharded.step(positions(p.x, 3, 2).batch(), cache, ws, &probs);
+    EXPECT_EQ(comm.collectives(), 2u);
+    EXPECT_EQ(comm.bytes(), sharded.step_comm_bytes(kBatch, 2) + sharded.probs_comm_bytes(kBatch, 2, 5));
+    EXPECT_EQ(cache.size(), 5);
+  });
+}
+
 TYPED_TEST(HeadParallelMhaTest, FlopsAddUpToOneProcess) {
   using T = TypeParam;
   for_each_case<T>(kCases, 400, [](const Case&, const auto& p, const auto& one, const auto& sharded) {
@@ -575,6 +618,76 @@ TEST(HeadParallelMhaErrors, DecodingErrorOnOneRankKeepsEveryCache) {
   EXPECT_TRUE(all_close("step after the errors", got, widen(want), sharded_tolerance<double>()));
 }
 
+// Bad input on one rank in a step on a bound cache (one collective, the
+// agreement in it): every rank throws, no rank hangs, every cache keeps its
+// size, and decoding goes on equal to one process.
+TEST(HeadParallelMhaErrors, InBandStepErrorsOnEveryRank) {
+  for (const Case& c : {kCases[0], kCases[2]}) {  // with o, and without (a zeroed full-width sum)
+    SCOPED_TRACE(c.name);
+    const Problem<double> p = make_problem<double>(c, 610);
+    HeadParallelMha<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
+    const headmix::Mha<double> one(p.w, p.opt);
+    const int last = world_size() - 1;
+    const Index W = one.out_dim();
+    headmix::Workspace<double> ws, ws1;
+    headmix::SequenceCache<double> cache(kBatch, kLength), cache1(kBatch, kLength);
+    sharded.step(positions(p.x, 0, 2).batch(), cache, ws);
+    one.step(positions(p.x, 0, 2).batch(), cache1, ws1);
+    const Tensor<double> x = positions(p.x, 2, 1);
+    Tensor<double> out({kBatch, 1, W}), wide({kBatch, 1, kWidth + 1});
+    sharded.communicator().reset_counts();
+    // The last rank's token is one column too wide.
+    expect_error_everywhere(
+        "shape_error", last,
+        [&] { sharded.step(world_rank() == last ? wide.batch() : x.batch(), cache, out.batch(), ws); },
+        {"[mha] input.query"});
+    // Rank 0's output buffer has the wrong width.
+    Tensor<double> narrow({kBatch, 1, W - 1});
+    expect_error_everywhere(
+        "shape_error", 0,
+        [&] { sharded.step(x.batch(), cache, world_rank() == 0 ? narrow.batch() : out.batch(), ws); },
+        {"[head-parallel mha] output"});
+    // The last rank's token is for one sequence fewer than its cache holds.
+    const headmix::ConstBatchView<double> fewer =
+        world_rank() == last ? headmix::ConstBatchView<double>(x.data(), kBatch - 1, 1, kWidth) : x.batch();
+    expect_error_everywhere(
+        "shape_error", last, [&] { sharded.step(fewer, cache, out.batch(), ws); },
+        {"[head-parallel mha] input batch"});
+    // Only rank 0 asks for the attention weights.
+    Tensor<double> probs;
+    expect_error_everywhere(
+        "shape_error", -1,
+        [&] { sharded.step(x.batch(), cache, out.batch(), ws, world_rank() == 0 ? &probs : nullptr); },
+        {"arguments across ranks", "probs from 0 to 1"});
+    EXPECT_EQ(cache.size(), 2);
+    // Each failed step was one collective, plus the failing rank's message
+    // (two broadcasts) when one rank failed.
+    EXPECT_EQ(sharded.communicator().collectives(), 3u * 3 + 1);
+    const Tensor<double> want = one.step(x.batch(), cache1, ws1);
+    sharded.step(x.batch(), cache, out.batch(), ws);
+    EXPECT_TRUE(all_close("step after the errors", out, widen(want), sharded_tolerance<double>()));
+  }
+}
+
+TEST(HeadParallelMhaErrors, ForwardScatterNeedsO) {
+  const Problem<double> p = make_problem<double>(kCases[2], 611);  // no o
+  const HeadParallelMha<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
+  headmix::Workspace<double> ws;
+  expect_error_everywhere(
+      "shape_error", -1, [&] { sharded.forward_scatter(p.input(), ws); },
+      {"[head-parallel mha] o", "an output projection", "forward gathers the heads"});
+  // A full-length output buffer is not this rank's rows: every rank throws
+  // its own error (each expects its own row count).
+  const Problem<double> q = make_problem<double>(kCases[0], 612);
+  const HeadParallelMha<double> with_o(q.w, q.opt, Communicator(MPI_COMM_WORLD));
+  Tensor<double> out({kBatch, kLength, kOut});
+  const auto [type, message] = thrown([&] { with_o.forward_scatter(q.input(), out.batch(), ws); });
+  EXPECT_EQ(type, "shape_error");
+  const Index rows = with_o.output_split(kLength).rows(world_rank());
+  EXPECT_TRUE(mentions(message, {"[head-parallel mha] output: expected [2, " + std::to_string(rows) + ", 5]"}));
+  expect_all_ranks_here();
+}
+
 TEST(HeadParallelMhaErrors, SetOptionsIsAllOrNothing) {
   const Problem<double> p = make_problem<double>(kCases[0], 604);
   HeadParallelMha<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
@@ -643,6 +756,20 @@ TEST(Communicator, SumAndGatherBlocks) {
         for (int e = 0; e < 2; ++e)
           EXPECT_EQ(full[static_cast<std::size_t>(((i * P + q) * 3 + j) * 2 + e)], 100.0f * q + 10 * i + 2 * j + e);
   EXPECT_EQ(comm.bytes(), 2 * sizeof(double) + 12 * sizeof(float));
+  EXPECT_EQ(comm.collectives(), 2u);
+  // Reduce-scatter: rank q gets q + 1 elements, element e of block q
+  // summing to Σ_r (r + 10 q + e).
+  std::vector<int> counts;
+  std::vector<double> send;
+  for (int q = 0; q < P; ++q) {
+    counts.push_back(q + 1);
+    for (int e = 0; e <= q; ++e) send.push_back(r + 10.0 * q + e);
+  }
+  std::vector<double> mine(static_cast<std::size_t>(r + 1));
+  comm.reduce_scatter_sum(send.data(), mine.data(), counts.data());
+  for (int e = 0; e <= r; ++e) EXPECT_EQ(mine[static_cast<std::size_t>(e)], P * (P - 1) / 2.0 + P * (10.0 * r + e));
+  EXPECT_EQ(comm.bytes(), 2 * sizeof(double) + 12 * sizeof(float) + send.size() * sizeof(double));
+  EXPECT_EQ(comm.collectives(), 3u);
 }
 
 // Any communicator, not only MPI_COMM_WORLD: the ranks split by parity,

@@ -5,13 +5,14 @@
 //
 // The contract: the sharded layer equals the one-process layer on the same
 // full weights and input (forward, gathered attention weights, decoding
-// token by token) with dense mixing, block mixing (an exact MHA
-// conversion's) and without o; each rank holds its heads' rows of mixing,
+// token by token, forward_scatter's rows) with dense mixing, block mixing
+// (an exact MHA conversion's), without o and with the LayerNorm (after o,
+// and on the gathered heads); each rank holds its heads' rows of mixing,
 // content_bias and v and columns of o; the scale stays the full layer's
 // across set_options; the bytes handed to MPI are comm_bytes(); every error
 // is an error on every rank (ctest's timeout fails a hang). LSH: forward
 // and gathered weights equal one process with a seeded and with a given
-// rotation. The one-process layers are checked against the naive loops in
+// rotation, shared or per head. The one-process layers are checked against the naive loops in
 // test_collab_head.cpp and test_lsh.cpp.
 
 #include "test_util.hpp"
@@ -53,6 +54,7 @@ struct Case {
   Index heads_per_rank, shared_per_head;  // R = H · shared_per_head
   bool block_mixing, content_bias, cross, padded, causal, o, o_bias, v_bias;
   int threads;
+  bool layer_norm = false;  // out_dim = D: o [D, H·Dv], or without o D = H·Dv
 };
 
 const Case kCases[] = {
@@ -61,6 +63,10 @@ const Case kCases[] = {
      false, 2},
     {"no o (gathered heads), content bias, causal, key padding", 2, 2, false, true, false, true, true, false, false,
      true, 1},
+    {"LayerNorm after o, dense mixing, content bias, causal", 2, 2, false, true, false, false, true, true, true, true,
+     1, true},
+    {"LayerNorm on the gathered heads (no o), key padding", 1, 2, false, false, false, true, false, false, false, true,
+     2, true},
 };
 
 template <class T>
@@ -83,14 +89,15 @@ struct Problem {
 template <class T>
 Problem<T> make_problem(const Case& c, unsigned seed) {
   const Index H = c.heads_per_rank * world_size(), R = H * c.shared_per_head;
-  const Index Dkv = c.cross ? kKeyWidth : kWidth, S = c.cross ? kKeys : kLength;
+  const Index D = c.layer_norm && !c.o ? H * kDv : kWidth;  // LayerNorm(Xq + y) needs out_dim == D
+  const Index Dkv = c.cross ? kKeyWidth : D, S = c.cross ? kKeys : kLength;
   Rng rng(seed);
   Problem<T> p;
   p.opt.num_heads = H;
   p.opt.causal = c.causal;
   p.opt.threads = c.threads;
   p.opt.block_rows = 3;
-  p.w.q = random_matrix<T>(rng, R, kWidth, 1.0 / std::sqrt(double(kWidth)));
+  p.w.q = random_matrix<T>(rng, R, D, 1.0 / std::sqrt(double(D)));
   p.w.k = random_matrix<T>(rng, R, Dkv, 1.0 / std::sqrt(double(Dkv)));
   p.w.mixing = random_matrix<T>(rng, H, R, 1.0);
   if (c.block_mixing)  // head h reads only its own shared dimensions
@@ -99,8 +106,12 @@ Problem<T> make_problem(const Case& c, unsigned seed) {
         if (j / c.shared_per_head != h) p.w.mixing(h, j) = T(0);
   if (c.content_bias) p.w.content_bias = random_matrix<T>(rng, H, Dkv, 1.0 / std::sqrt(double(Dkv)));
   p.w.v = random_linear<T>(rng, H * kDv, Dkv, c.v_bias);
-  if (c.o) p.w.o = random_linear<T>(rng, kOut, H * kDv, c.o_bias);
-  p.x = random_tensor<T>(rng, {kBatch, kLength, kWidth}, 1.0);
+  if (c.o) p.w.o = random_linear<T>(rng, c.layer_norm ? D : kOut, H * kDv, c.o_bias);
+  if (c.layer_norm) {
+    p.w.layer_norm.weight = random_vector<T>(rng, D, 0.5).array() + T(1);
+    p.w.layer_norm.bias = random_vector<T>(rng, D, 0.5);
+  }
+  p.x = random_tensor<T>(rng, {kBatch, kLength, D}, 1.0);
   if (c.cross) p.kv = random_tensor<T>(rng, {kBatch, kKeys, Dkv}, 1.0);
   if (c.padded)
     for (Index b = 0; b < kBatch; ++b)
@@ -137,6 +148,13 @@ TYPED_TEST(HeadParallelCollabTest, ForwardEqualsOneProcess) {
     EXPECT_TRUE(all_close("output vs one process", got, widen(want), sharded_tolerance<T>()));
     EXPECT_TRUE(all_close("probs vs one process", probs, widen(probs1), sharded_tolerance<T>()));
     EXPECT_TRUE(bit_identical("output without probs", sharded.forward(p.input(), ws), got));
+  });
+}
+
+TYPED_TEST(HeadParallelCollabTest, ForwardScatterIsTheRanksRowsOfOneProcess) {
+  using T = TypeParam;
+  for_each_case<T>(150, [](const Case& c, const Problem<T>& p, const auto& one, auto& sharded) {
+    if (c.o) expect_scatter_equal<T>(p, one, sharded, sharded_tolerance<T>());
   });
 }
 
@@ -185,8 +203,8 @@ TYPED_TEST(HeadParallelCollabTest, ShardsAreTheRanksHeadsWithSharedProjectionsRe
 TYPED_TEST(HeadParallelCollabTest, CommBytesAndFlops) {
   using T = TypeParam;
   for_each_case<T>(300, [](const Case& c, const Problem<T>& p, const auto& one, auto& sharded) {
-    const Index S = p.input().keys().length(), R = p.w.q.rows(), Dkv = p.w.k.cols();
-    const Index values = c.o ? kBatch * kLength * kOut : kBatch * kLength * c.heads_per_rank * kDv;
+    const Index S = p.input().keys().length(), R = p.w.q.rows(), D = p.w.q.cols(), Dkv = p.w.k.cols();
+    const Index values = c.o ? kBatch * kLength * one.out_dim() : kBatch * kLength * c.heads_per_rank * kDv;
     EXPECT_EQ(sharded.comm_bytes(kBatch, kLength), 9 * sizeof(long long) + values * sizeof(T));
     headmix::Workspace<T> ws;
     sharded.communicator().reset_bytes();
@@ -195,7 +213,7 @@ TYPED_TEST(HeadParallelCollabTest, CommBytesAndFlops) {
     // The attention work splits; every rank repeats the shared projections Q̃ and K̃.
     const headmix::FlopCount f = sharded.flops(kBatch, kLength, S), f1 = one.flops(kBatch, kLength, S);
     EXPECT_EQ(sum_over_ranks(f.attention_macs), f1.attention_macs);
-    const Index replicated = kBatch * (kLength * kWidth + S * Dkv) * R;
+    const Index replicated = kBatch * (kLength * D + S * Dkv) * R;
     EXPECT_EQ(sum_over_ranks(f.projection_macs), f1.projection_macs + (world_size() - 1) * replicated);
   });
 }
@@ -236,15 +254,13 @@ TEST(HeadParallelCollabErrors, ShapesThatDoNotShard) {
   expect_error_everywhere("shape_error", -1,
                           [&] { HeadParallelCollabHead<double>(w, p.opt, Communicator(MPI_COMM_WORLD)); },
                           {"[collab] mixing"});
-  // A LayerNorm needs the summed output: refused on every rank.
+  // A LayerNorm (run after the sum) still needs out_dim == D, as one process checks.
   w = p.w;
   w.layer_norm.weight = headmix::Vector<double>::Ones(kWidth);
   w.layer_norm.bias = headmix::Vector<double>::Zero(kWidth);
-  Rng rng(3);
-  w.o = random_linear<double>(rng, kWidth, p.opt.num_heads * kDv);  // LayerNorm(Xq + y) needs out_dim == D
   expect_error_everywhere("shape_error", -1,
                           [&] { HeadParallelCollabHead<double>(w, p.opt, Communicator(MPI_COMM_WORLD)); },
-                          {"[head-parallel collab] layer_norm", "apply it to the head-parallel layer's output"});
+                          {"[collab] out_dim", "LayerNorm(Xq + y) needs out_dim == D"});
 }
 
 TEST(HeadParallelCollabErrors, BadInputOnOneRankThrowsOnEveryRank) {
@@ -276,11 +292,14 @@ struct LshCase {
   Index heads_per_rank;
   bool given_rotation, causal, padded, o, biases;
   int threads;
+  bool per_head = false;  // rotations_per_head: rotation b·H + h over all H heads
 };
 
 const LshCase kLshCases[] = {
     {"seeded rotation, causal, o with bias", 2, false, true, false, true, true, 1},
     {"given rotation, key padding, no o", 1, true, false, true, false, false, 2},
+    {"seeded rotations per head, causal, o with bias", 2, false, true, false, true, true, 1, true},
+    {"given rotations per head, key padding, no o", 1, true, false, true, false, false, 2, true},
 };
 
 constexpr Index kLshDk = 4, kLshBuckets = 4;
@@ -321,10 +340,12 @@ LshProblem make_lsh_problem(const LshCase& c, unsigned seed) {
   p.opt.causal = c.causal;
   p.opt.threads = c.threads;
   p.opt.seed = 11;
+  p.opt.rotations_per_head = c.per_head;
   p.w.qk = random_linear<double>(rng, H * kLshDk, kWidth, c.biases);
   p.w.v = random_linear<double>(rng, H * kDv, kWidth, c.biases);
   if (c.o) p.w.o = random_linear<double>(rng, kOut, H * kDv, c.biases);
-  if (c.given_rotation) p.w.rotations = random_tensor<double>(rng, {1, kLshDk, 2, kLshBuckets / 2}, 1.0);
+  if (c.given_rotation)
+    p.w.rotations = random_tensor<double>(rng, {c.per_head ? kBatch * H : 1, kLshDk, 2, kLshBuckets / 2}, 1.0);
   p.x = random_tensor<double>(rng, {kBatch, kLength, kWidth}, 1.0);
   if (c.padded)
     for (Index b = 0; b < kBatch; ++b)
@@ -389,10 +410,12 @@ TEST(HeadParallelLshErrors, ShapesThatDoNotShardAndBadInput) {
   opt.num_heads = P + 1;
   expect_error_everywhere("shape_error", -1, [&] { HeadParallelLsh<double>(p.w, opt, Communicator(MPI_COMM_WORLD)); },
                           {"[head-parallel lsh] num_heads", "a multiple of the process count " + std::to_string(P)});
+  // The full layer's rotation indexing is checked as one process checks it.
   opt = p.opt;
   opt.rotations_per_head = true;
+  opt.rotation_head_offset = 1;  // without rotation_heads: past the layer's heads
   expect_error_everywhere("shape_error", -1, [&] { HeadParallelLsh<double>(p.w, opt, Communicator(MPI_COMM_WORLD)); },
-                          {"[head-parallel lsh] rotations_per_head", "not sharded"});
+                          {"[lsh] rotation_head_offset", "got 1"});
   // Cross-attention keys on the last rank only: LSH is self-attention.
   const HeadParallelLsh<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
   headmix::Workspace<double> ws;
@@ -401,10 +424,20 @@ TEST(HeadParallelLshErrors, ShapesThatDoNotShardAndBadInput) {
   const Tensor<double> keys = p.x;  // other storage: not the query itself
   if (world_rank() == last) in.key = keys.batch();
   expect_error_everywhere("shape_error", last, [&] { sharded.forward(in, out.batch(), ws); }, {"[lsh]"});
-  // set_options may not turn per-head rotations on.
+  // set_options may turn per-head rotations on (each rank keeps its heads'
+  // indexing), but not move the rotation indexing.
   HeadParallelLsh<double> changeable(p.w, p.opt, Communicator(MPI_COMM_WORLD));
+  opt = p.opt;
+  opt.rotations_per_head = true;
+  changeable.set_options(opt);
+  EXPECT_EQ(changeable.local().options().rotation_head_offset, changeable.first_head());
+  EXPECT_EQ(changeable.local().rotation_heads(), p.opt.num_heads);
+  const headmix::Lsh<double> one(p.w, opt);
+  EXPECT_TRUE(all_close("per-head rotations after set_options", changeable.forward(lsh_input(p, p.x), ws),
+                        widen(one.forward(lsh_input(p, p.x), ws)), sharded_tolerance<double>()));
+  opt.rotation_heads = 2 * p.opt.num_heads;
   expect_error_everywhere("shape_error", -1, [&] { changeable.set_options(opt); },
-                          {"[head-parallel lsh] rotations_per_head"});
+                          {"[head-parallel lsh] rotation_heads", "the sharded layer's"});
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
-// Sequence-parallel MHA, CollabHead and Talking-Heads over MPI, run by
+// Sequence-parallel MHA, CollabHead, Talking-Heads and DCMHA over MPI, run by
 // ctest under `mpiexec -n 2` and `-n 3`. Lengths follow the process count P
-// (T = 4P+1, 3P, 2P-1, 4P+3, 1), so the same program splits differently on
+// (T = 4P+1, 3P, 2P-1, 4P+3, 1, 4P), so the same program splits differently on
 // 2 and 3 processes, with lengths P or 2P do not divide, chunks of unequal
-// length, empty chunks and ranks without rows.
+// length, empty chunks and ranks without rows, and equal zig-zag shards
+// (which the gathers must still put back in order).
 //
 // The contract: each rank's output rows, reassembled on every rank, equal
 // the one-process layer's forward on the same weights and the whole
@@ -24,6 +25,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -37,6 +39,7 @@ using namespace headmix_mpi_test;
 using headmix::Index;
 using headmix::mpi::Communicator;
 using headmix::mpi::SequenceParallel;
+using headmix::mpi::SequenceParallelDcmha;
 using headmix::mpi::SequenceParallelMha;
 using headmix::mpi::SequenceSplit;
 
@@ -88,6 +91,7 @@ const Case kCases[] = {
     {"zig-zag, window 3, key padding, T = 4P+3", 4, 3, true, true, 3, 1},
     {"zig-zag, T = 1 (one rank holds it)", 0, 1, true, true, 0, 1},
     {"contiguous, key padding, T = 1", 0, 1, false, true, 0, 1},
+    {"zig-zag, T = 4P (equal shards, gathered out of order)", 4, 0, true, false, 0, 1},
 };
 
 // Keys padded in a fixed pattern: every third key, with a phase that moves
@@ -143,6 +147,26 @@ headmix::TalkingHeadsWeights<T> talking_heads_weights(Rng& rng) {
   return w;
 }
 
+// DCMHA with H = 4 heads in `groups` groups, K and V stored for `kv` heads,
+// dynamic-weight MLP of hidden width 3; the static terms with static_w.
+template <class T>
+headmix::DcmhaWeights<T> dcmha_weights(Rng& rng, Index groups, Index kv, Index rank, bool static_w) {
+  const Index H = 4, M = H / groups, K = 3;
+  headmix::DcmhaWeights<T> w;
+  w.q = random_linear<T>(rng, H * kDk, kWidth);
+  w.k = random_linear<T>(rng, kv * kDk, kWidth);
+  w.v = random_linear<T>(rng, kv * kDv, kWidth);
+  w.o = random_linear<T>(rng, kOut, H * kDv);
+  w.dw1 = random_tensor<T>(rng, {kWidth, groups, 4, K}, 2.0 / std::sqrt(double(kWidth)));
+  w.qkw = random_tensor<T>(rng, {groups, 4, K, 2 * rank, M}, 1.0 / std::sqrt(double(K)));
+  w.dd = random_tensor<T>(rng, {kWidth, groups, 4 * M}, 2.0 / std::sqrt(double(kWidth)));
+  if (static_w) {
+    w.pre_w = random_tensor<T>(rng, {groups, M, M}, 0.5);
+    w.post_w = random_tensor<T>(rng, {groups, M, M}, 0.5);
+  }
+  return w;
+}
+
 headmix::MhaOptions mha_options(Index H, Index Hkv) {
   headmix::MhaOptions o;
   o.num_heads = H, o.num_kv_heads = Hkv == H ? 0 : Hkv;
@@ -156,6 +180,12 @@ headmix::CollabHeadOptions collab_options(Index H) {
 headmix::TalkingHeadsOptions talking_heads_options() {
   headmix::TalkingHeadsOptions o;
   o.num_heads = 3, o.key_heads = 4, o.value_heads = 2, o.num_kv_heads = 2;
+  return o;
+}
+
+headmix::DcmhaOptions dcmha_options(Index groups, Index kv, Index rank, bool static_w) {
+  headmix::DcmhaOptions o;
+  o.num_heads = 4, o.groups = groups, o.num_kv_heads = kv == 4 ? 0 : kv, o.rank = rank, o.static_w = static_w;
   return o;
 }
 
@@ -274,6 +304,23 @@ TYPED_TEST(SequenceParallelTest, TalkingHeadsEqualsOneProcess) {
   expect_equal_to_one_process<headmix::TalkingHeads, T>(talking_heads_weights<T>(rng), talking_heads_options(), 1400);
 }
 
+// Two head groups, K/V for 2 of the 4 heads, the static terms; then one
+// group (Compose over all heads), rank 2, the tanh GELU, one branch off.
+TYPED_TEST(SequenceParallelTest, GroupedDcmhaEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(106);
+  expect_equal_to_one_process<headmix::Dcmha, T>(dcmha_weights<T>(rng, 2, 2, 1, true), dcmha_options(2, 2, 1, true),
+                                                 1600);
+}
+
+TYPED_TEST(SequenceParallelTest, DcmhaOneGroupEqualsOneProcess) {
+  using T = TypeParam;
+  Rng rng(107);
+  headmix::DcmhaOptions opt = dcmha_options(1, 4, 2, false);
+  opt.gelu = headmix::DcmhaGelu::tanh, opt.use_post = false;
+  expect_equal_to_one_process<headmix::Dcmha, T>(dcmha_weights<T>(rng, 1, 4, 2, false), opt, 1700);
+}
+
 // Against the naive double loops too: causal, key padding, grouped-query.
 TYPED_TEST(SequenceParallelTest, MhaMatchesNaiveLoops) {
   using T = TypeParam;
@@ -353,7 +400,34 @@ TEST(SequenceParallelFlops, ZigZagBalancesCausalWork) {
   EXPECT_EQ(mine * world_size(), one.flops(kBatch, T_, T_).attention_macs);
 }
 
-// comm_bytes against a count by hand: the agreement's 7 long longs, then
+// DCMHA: the zig-zag balances the attention work too, and without causal
+// each rank projects its own rows' queries (and query-wise factors) and
+// every key's K, V and key-wise factors: P - 1 extra copies of the key-side
+// work, which flops(B, 0, T) counts alone.
+TEST(SequenceParallelFlops, DcmhaCountsKeySideWorkPerRank) {
+  Rng rng(202);
+  const auto w = dcmha_weights<double>(rng, 2, 2, 1, false);
+  headmix::DcmhaOptions opt = dcmha_options(2, 2, 1, false);
+  const Index T_ = 8 * world_size();
+  const SequenceParallelDcmha<double> contiguous(w, opt, Communicator(MPI_COMM_WORLD));
+  const headmix::Dcmha<double> one(w, opt);
+  const headmix::FlopCount f = contiguous.flops(kBatch, T_), f1 = one.flops(kBatch, T_, T_);
+  EXPECT_EQ(sum_over_ranks(f.attention_macs), f1.attention_macs);
+  EXPECT_EQ(sum_over_ranks(f.projection_macs),
+            f1.projection_macs + (world_size() - 1) * one.flops(kBatch, 0, T_).projection_macs);
+  EXPECT_GT(one.flops(kBatch, 0, T_).projection_macs, 0);
+
+  opt.causal = true;
+  const SequenceParallelDcmha<double> zigzag(w, opt, Communicator(MPI_COMM_WORLD));
+  const long long mine = zigzag.flops(kBatch, T_).attention_macs;
+  long long least = mine, most = mine;
+  MPI_Allreduce(MPI_IN_PLACE, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(least, most);
+  EXPECT_EQ(mine * world_size(), headmix::Dcmha<double>(w, opt).flops(kBatch, T_, T_).attention_macs);
+}
+
+// comm_bytes against a count by hand: the agreement's 9 long longs, then
 // B · max_rows · D values of T.
 TEST(SequenceParallelBytes, CommBytesByHand) {
   const int P = world_size();
@@ -366,10 +440,10 @@ TEST(SequenceParallelBytes, CommBytesByHand) {
   // T = 4P+1: one contiguous shard has 5 rows, the others 4; one of the 2P
   // zig-zag chunks has 3 rows, the others 2, so one rank holds 5.
   const Index T_ = 4 * P + 1;
-  EXPECT_EQ(contiguous.comm_bytes(kBatch, T_), 7 * 8 + kBatch * 5 * kWidth * 4u);
-  EXPECT_EQ(zigzag.comm_bytes(kBatch, T_), 7 * 8 + kBatch * 5 * kWidth * 4u);
+  EXPECT_EQ(contiguous.comm_bytes(kBatch, T_), 9 * 8 + kBatch * 5 * kWidth * 4u);
+  EXPECT_EQ(zigzag.comm_bytes(kBatch, T_), 9 * 8 + kBatch * 5 * kWidth * 4u);
   // T = 4P: every rank 4 rows either way.
-  EXPECT_EQ(zigzag.comm_bytes(kBatch, 4 * P), 7 * 8 + kBatch * 4 * kWidth * 4u);
+  EXPECT_EQ(zigzag.comm_bytes(kBatch, 4 * P), 9 * 8 + kBatch * 4 * kWidth * 4u);
 }
 
 // ---------------------------------------------------------------------------
@@ -499,12 +573,149 @@ TEST(SequenceParallelErrors, BadWeightsOrOptionsThrowOnEveryRank) {
   EXPECT_EQ(loaded.local().num_heads(), 2);
 }
 
+// DCMHA's errors: its options and weights, a bad shard, on every rank.
+TEST(SequenceParallelErrors, DcmhaBadInputThrowsOnEveryRank) {
+  Rng rng(304);
+  const auto w = dcmha_weights<double>(rng, 2, 2, 1, true);
+  headmix::DcmhaOptions opt = dcmha_options(2, 2, 1, true);
+  opt.causal = true;
+  opt.causal_offset = 2;
+  expect_error_everywhere(
+      "shape_error", -1, [&] { SequenceParallelDcmha<double>(w, opt, Communicator(MPI_COMM_WORLD)); },
+      {"[sequence-parallel dcmha] causal_offset", "got 2"});
+  opt.causal_offset = 0;
+  auto narrow = w;  // dc.dd one gate column short
+  narrow.dd = Tensor<double>({kWidth, 2, 3});
+  expect_error_everywhere(
+      "shape_error", -1, [&] { SequenceParallelDcmha<double>(narrow, opt, Communicator(MPI_COMM_WORLD)); },
+      {"[dcmha] dc.dd"});
+
+  const SequenceParallelDcmha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+  const Input<double> in(kCases[2], 305);
+  const SequenceSplit split = sharded.split(in.length);
+  const int me = world_rank(), last = world_size() - 1;
+  const Tensor<double> shard = split.take(in.x.batch(), me);
+  Tensor<double> out({kBatch, split.rows(me), kOut});
+  headmix::Workspace<double> ws;
+  // The last rank's shard is one column narrow.
+  const Tensor<double> narrow_shard({kBatch, split.rows(last), kWidth - 1});
+  auto bad = in.mine(shard);
+  if (me == last) bad.query = narrow_shard.batch();
+  expect_error_everywhere(
+      "shape_error", last, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      {"[sequence-parallel dcmha] input.query"});
+  // The layer still works.
+  sharded.forward(in.mine(shard), in.length, out.batch(), ws);
+  EXPECT_TRUE(std::all_of(out.data(), out.data() + out.size(), [](double v) { return std::isfinite(v); }));
+}
+
 // Rank 0 prints the largest deviation from one process seen above.
 TEST(SequenceParallelSummary, WorstErrors) {
   if (world_rank() == 0)
     std::printf("largest |sharded - one process|: float %.3g (bound %.3g), double %.3g (bound %.3g)\n",
                 worst_error<float>(), sharded_tolerance<float>().atol, worst_error<double>(),
                 sharded_tolerance<double>().atol);
+}
+
+// ---------------------------------------------------------------------------
+// probs: every rank gets the whole sequence's weights [B, H, T, T], the
+// one-process layer's, rows and keys in global positions; masked keys
+// (future, outside the window, padded) exactly 0; the output rows as
+// without probs; comm_bytes() + probs_comm_bytes() handed to MPI. Every
+// case: contiguous and zig-zag, key padding, a window of 3, an empty
+// chunk, T = 1 (ranks without rows).
+
+template <template <class> class Layer, class T, class Weights, class Options>
+void expect_probs_equal_to_one_process(const Weights& w, const Options& base, unsigned seed) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.name);
+    const Options opt = with_case(base, c);
+    const Input<T> in(c, seed++);
+    const Layer<T> one(w, opt);
+    headmix::Workspace<T> ws1, ws;
+    Tensor<T> want;
+    const Tensor<T> want_out = one.forward(in.whole(), ws1, &want);
+
+    SequenceParallel<Layer, T> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+    const SequenceSplit split = sharded.split(in.length);
+    const Tensor<T> shard = split.take(in.x.batch(), world_rank());
+    Tensor<T> probs;
+    const Tensor<T> got = forward_with_probs(sharded, in.mine(shard), in.length, ws, probs);
+    EXPECT_EQ(want.dim(1), sharded.probs_heads());
+    EXPECT_TRUE(all_close("this rank's output rows, with probs", got,
+                          widen(split.take(want_out.batch(), world_rank())), sharded_tolerance<T>()));
+    expect_probs_equal(probs, want, sharded_tolerance<T>(), [&](Index b, Index i, Index j) {
+      const bool hidden = c.causal && (j > i || (c.window > 0 && j <= i - c.window));
+      return hidden || (!in.padding.empty() && in.padding[static_cast<std::size_t>(b * in.length + j)] != 0);
+    });
+  }
+}
+
+TYPED_TEST(SequenceParallelTest, MhaProbsEqualOneProcess) {
+  using T = TypeParam;
+  Rng rng(110);
+  expect_probs_equal_to_one_process<headmix::Mha, T>(mha_weights<T>(rng, 4, 2, true), mha_options(4, 2), 2000);
+}
+
+TYPED_TEST(SequenceParallelTest, CollabHeadProbsEqualOneProcess) {
+  using T = TypeParam;
+  Rng rng(111);
+  expect_probs_equal_to_one_process<headmix::CollabHead, T>(collab_weights<T>(rng, 3, 6, false), collab_options(3),
+                                                            2100);
+}
+
+// The weights are the post-mixed ones, over h_v = 2 heads.
+TYPED_TEST(SequenceParallelTest, TalkingHeadsProbsEqualOneProcess) {
+  using T = TypeParam;
+  Rng rng(112);
+  expect_probs_equal_to_one_process<headmix::TalkingHeads, T>(talking_heads_weights<T>(rng), talking_heads_options(),
+                                                              2200);
+}
+
+TYPED_TEST(SequenceParallelTest, DcmhaProbsEqualOneProcess) {
+  using T = TypeParam;
+  Rng rng(113);
+  expect_probs_equal_to_one_process<headmix::Dcmha, T>(dcmha_weights<T>(rng, 2, 2, 1, true),
+                                                       dcmha_options(2, 2, 1, true), 2300);
+}
+
+// probs_comm_bytes against a count by hand: B · H · max_rows · T values.
+// T = 4P+1: the longest shard has 5 rows, contiguous or zig-zag.
+TEST(SequenceParallelBytes, ProbsCommBytesByHand) {
+  const int P = world_size();
+  Rng rng(203);
+  headmix::TalkingHeadsOptions opt = talking_heads_options();
+  const headmix::mpi::SequenceParallelTalkingHeads<double> contiguous(talking_heads_weights<double>(rng), opt,
+                                                                       Communicator(MPI_COMM_WORLD));
+  const Index T_ = 4 * P + 1;
+  EXPECT_EQ(contiguous.probs_heads(), 2);  // h_v
+  EXPECT_EQ(contiguous.probs_comm_bytes(kBatch, T_), static_cast<std::uint64_t>(kBatch * 2 * 5 * T_ * 8));
+  const auto mha = mha_weights<float>(rng, 4, 2, true);
+  headmix::MhaOptions mopt = mha_options(4, 2);
+  mopt.causal = true;
+  const SequenceParallelMha<float> zigzag(mha, mopt, Communicator(MPI_COMM_WORLD));
+  EXPECT_EQ(zigzag.probs_heads(), 4);  // query heads, not the 2 K/V heads
+  EXPECT_EQ(zigzag.probs_comm_bytes(kBatch, T_), static_cast<std::uint64_t>(kBatch * 4 * 5 * T_ * 4));
+  EXPECT_EQ(zigzag.probs_comm_bytes(1, 1), 4 * 4u);  // one row on one rank, padded alike on the others
+}
+
+// probs asked for on one rank only: the same error on every rank, no rank
+// left in the weights' gather; then every rank asking works.
+TEST(SequenceParallelErrors, ProbsOnOneRankThrowsOnEveryRank) {
+  Rng rng(306);
+  const auto w = mha_weights<double>(rng, 2, 2, true);
+  const Case& c = kCases[2];  // zig-zag, key padding
+  const headmix::MhaOptions opt = with_case(mha_options(2, 2), c);
+  const SequenceParallelMha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
+  const Input<double> in(c, 307);
+  const SequenceSplit split = sharded.split(in.length);
+  const Tensor<double> shard = split.take(in.x.batch(), world_rank());
+  Tensor<double> out({kBatch, split.rows(world_rank()), kOut});
+  headmix::Workspace<double> ws;
+  expect_probs_on_one_rank_throw(sharded, in.mine(shard), in.length, out.batch(), ws);
+  Tensor<double> probs;
+  sharded.forward(in.mine(shard), in.length, out.batch(), ws, &probs);
+  EXPECT_EQ(probs.shape(), (std::vector<Index>{kBatch, 2, in.length, in.length}));
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The MPI communicator that headmix's sharded layers run over, and the only
-// collectives they use: an in-place sum, a gather of column blocks, and an
-// agreement on errors.
+// collectives they use: an in-place sum, a reduce-scatter, a gather of
+// column blocks, and an agreement on errors (separate, or riding in a sum).
 //
 // The caller owns MPI: it calls MPI_Init (MPI_THREAD_FUNNELED is enough:
 // headmix's worker threads never call MPI) and MPI_Finalize, and passes an
@@ -12,7 +12,10 @@
 // local heads), then the ranks agree with one small MPI_Allreduce whether
 // every rank succeeded and passed the same extents. Only then does the data
 // collective run, so a bad input on one rank is an error on every rank and
-// no rank waits forever in a collective that others skipped.
+// no rank waits forever in a collective that others skipped. A call whose
+// data collective is a sum of a buffer every rank sizes alike can instead
+// append status() elements to it (write_status / check_status): the same
+// agreement, in the one collective.
 #pragma once
 
 // headmix uses MPI's C API; Open MPI's and MPICH's C++ bindings (removed in
@@ -77,6 +80,10 @@ class Communicator {
   /// carries (a ring all-reduce moves about 2(P-1)/P times its buffer).
   std::uint64_t bytes() const { return bytes_; }
   void reset_bytes() { bytes_ = 0; }
+  /// MPI collective calls this Communicator (this copy) has made.
+  std::uint64_t collectives() const { return collectives_; }
+  /// Zero both counters.
+  void reset_counts() { bytes_ = 0, collectives_ = 0; }
 
   /// Bytes that agree() hands to MPI for `agreed` values.
   static constexpr std::uint64_t agreement_bytes(std::size_t agreed) { return (1 + 2 * agreed) * sizeof(long long); }
@@ -87,9 +94,24 @@ class Communicator {
     for (Index done = 0; done < count;) {  // MPI counts are int
       const int n = static_cast<int>(std::min<Index>(count - done, INT_MAX));
       MPI_Allreduce(MPI_IN_PLACE, data + done, n, datatype<T>(), MPI_SUM, comm_);
+      ++collectives_;
       done += n;
     }
     bytes_ += static_cast<std::uint64_t>(count) * sizeof(T);
+  }
+
+  /// Sum every rank's `send` (its blocks for ranks 0, 1, … of counts[0],
+  /// counts[1], … elements, back to back) and give rank r the sum of the
+  /// blocks for r in `recv`, counts[r] elements: one MPI_Reduce_scatter.
+  /// `counts` has size() entries, the same on every rank, each below 2^31
+  /// (the caller checks: MPI counts are int).
+  template <class T>
+  void reduce_scatter_sum(const T* send, T* recv, const int* counts) const {
+    MPI_Reduce_scatter(send, recv, counts, datatype<T>(), MPI_SUM, comm_);
+    ++collectives_;
+    std::uint64_t sent = 0;
+    for (int r = 0; r < size_; ++r) sent += static_cast<std::uint64_t>(counts[r]);
+    bytes_ += sent * sizeof(T);
   }
 
   /// Gather column blocks: `local` is this rank's [rows, cols] (in units of
@@ -112,6 +134,7 @@ class Communicator {
     MPI_Type_commit(&sent);
     MPI_Type_commit(&block);
     MPI_Allgather(local, static_cast<int>(rows), sent, full, 1, block, comm_);
+    ++collectives_;
     for (MPI_Datatype* t : {&block, &strided, &sent, &element}) MPI_Type_free(t);
     bytes_ += static_cast<std::uint64_t>(rows * cols * unit) * sizeof(T);
   }
@@ -146,20 +169,56 @@ class Communicator {
     }
     const int count = static_cast<int>(1 + 2 * n);
     MPI_Allreduce(MPI_IN_PLACE, v.data(), count, MPI_LONG_LONG, MPI_MIN, comm_);
+    ++collectives_;
     bytes_ += agreement_bytes(n);
     if (v[0] < size_) throw_agreed_failure(failure, static_cast<int>(v[0]));
+    std::array<long long, kMaxAgreed> low{}, high{};
+    for (std::size_t j = 0; j < n; ++j) low[j] = v[1 + j], high[j] = -v[1 + n + j];
+    throw_if_different(variant, agreed, low.data(), high.data());
+  }
 
-    std::string names, ranges;
-    i = 0;
+  /// Elements of T that write_status() appends to a summed buffer for
+  /// `agreed` values: one per rank for its failure flag, two per rank and
+  /// value (a value v >= 0 as v mod 2^12 and v / 2^12, exact in float below
+  /// 2^36). Each rank writes only its own entries, so the sum holds every
+  /// rank's.
+  Index status_count(std::size_t agreed) const { return static_cast<Index>((1 + 2 * agreed)) * size_; }
+
+  /// This rank's status: whether its part failed, and its `agreed` values
+  /// (>= 0), into status[0, status_count(agreed.size())), zeros elsewhere.
+  template <class T>
+  void write_status(T* status, bool failed, std::initializer_list<Agreed> agreed) const {
+    std::fill_n(status, status_count(agreed.size()), T(0));
+    status[rank_] = failed ? T(1) : T(0);
+    std::size_t i = 0;
     for (const Agreed& a : agreed) {
-      names += (i ? ", " : "") + std::string(a.name);
-      if (v[1 + i] != -v[1 + n + i])
-        ranges += (ranges.empty() ? "" : ", ") + std::string(a.name) + " from " + std::to_string(v[1 + i]) + " to " +
-                  std::to_string(-v[1 + n + i]);
+      HEADMIX_ASSERT(a.value >= 0 && a.value < (1LL << 36));
+      status[(1 + 2 * i) * size_ + rank_] = static_cast<T>(a.value % kStatusBase);
+      status[(2 + 2 * i) * size_ + rank_] = static_cast<T>(a.value / kStatusBase);
       ++i;
     }
-    if (!ranges.empty())
-      detail::throw_shape(variant, "arguments across ranks", "the same " + names + " on every rank", ranges);
+  }
+
+  /// After the sum of every rank's write_status(): throw on every rank as
+  /// agree() would (`failure` is this rank's own exception, if any; the
+  /// same `agreed` names, in the same order, on every rank), or return on
+  /// every rank.
+  template <class T>
+  void check_status(const char* variant, const T* status, const std::exception_ptr& failure,
+                    std::initializer_list<Agreed> agreed) const {
+    for (int r = 0; r < size_; ++r)
+      if (status[r] != T(0)) throw_agreed_failure(failure, r);
+    const std::size_t n = agreed.size();
+    HEADMIX_ASSERT(n <= kMaxAgreed);
+    std::array<long long, kMaxAgreed> low{}, high{};
+    for (std::size_t i = 0; i < n; ++i)
+      for (int r = 0; r < size_; ++r) {
+        const long long v = static_cast<long long>(status[(1 + 2 * i) * size_ + r]) +
+                            kStatusBase * static_cast<long long>(status[(2 + 2 * i) * size_ + r]);
+        low[i] = r == 0 ? v : std::min(low[i], v);
+        high[i] = r == 0 ? v : std::max(high[i], v);
+      }
+    throw_if_different(variant, agreed, low.data(), high.data());
   }
 
  private:
@@ -167,6 +226,25 @@ class Communicator {
   static MPI_Datatype datatype() {
     static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "headmix::mpi sums float or double");
     return std::is_same_v<T, float> ? MPI_FLOAT : MPI_DOUBLE;
+  }
+
+  static constexpr long long kStatusBase = 1LL << 12;
+
+  // The shape_error every rank throws alike when an agreed value's lowest
+  // and highest over the ranks differ.
+  static void throw_if_different(const char* variant, std::initializer_list<Agreed> agreed, const long long* low,
+                                 const long long* high) {
+    std::string names, ranges;
+    std::size_t i = 0;
+    for (const Agreed& a : agreed) {
+      names += (i ? ", " : "") + std::string(a.name);
+      if (low[i] != high[i])
+        ranges += (ranges.empty() ? "" : ", ") + std::string(a.name) + " from " + std::to_string(low[i]) + " to " +
+                  std::to_string(high[i]);
+      ++i;
+    }
+    if (!ranges.empty())
+      detail::throw_shape(variant, "arguments across ranks", "the same " + names + " on every rank", ranges);
   }
 
   // What a rank threw, as the other ranks rebuild it.
@@ -218,6 +296,7 @@ class Communicator {
       lengths[f + 1] = static_cast<long long>(fields[f].size());
     lengths[0] = static_cast<long long>(fields.size());
     MPI_Bcast(lengths.data(), static_cast<int>(lengths.size()), MPI_LONG_LONG, root, comm_);
+    collectives_ += 2;
     std::string text;
     for (const auto& f : fields) text += f;
     long long total = 0;
@@ -237,7 +316,7 @@ class Communicator {
 
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
-  mutable std::uint64_t bytes_ = 0;  // counting is not state a caller sees change a result
+  mutable std::uint64_t bytes_ = 0, collectives_ = 0;  // counting is not state a caller sees change a result
 };
 
 }  // namespace headmix::mpi

@@ -10,8 +10,10 @@
 // next to its heads' values and content bias. The logit scale defaults to
 // the full layer's 1/sqrt(R/H), not the local 1/sqrt(R/(H/P)).
 //
-// Not sharded: the optional LayerNorm(Xq + y) needs the summed output, so a
-// layer with one is refused (apply it to the head-parallel output instead).
+// Replicated too: the optional LayerNorm(Xq + y), which needs the summed
+// output. The local layers have none; every rank applies the full layer's
+// (CollabLayerNorm::apply, the one-process code) to its summed or gathered
+// output, after o's bias, on all rows (or, in forward_scatter, on its own).
 // See head_parallel.hpp for the call, the collectives and the errors.
 #pragma once
 
@@ -47,10 +49,6 @@ struct HeadShard<CollabHead, T> {
 
   static CollabHead<T> slice(const CollabHead<T>& full, const CollabHeadOptions& options, int rank, int P) {
     const CollabHeadWeights<T>& w = full.weights();
-    if (full.has_layer_norm())
-      headmix::detail::throw_shape(kName, "layer_norm",
-                                   "none (it needs the summed output: apply it to the head-parallel layer's output)",
-                                   "weight [" + std::to_string(w.layer_norm.weight.size()) + "]");
     const Index h = full.num_heads() / P, first = rank * h, dv = full.v_head_dim();
     CollabHeadWeights<T> local;
     local.q = w.q;  // replicated: see above
@@ -59,11 +57,15 @@ struct HeadShard<CollabHead, T> {
     if (full.has_content_bias()) local.content_bias = w.content_bias.middleRows(first, h);
     local.v = detail::linear_rows(w.v, first * dv, h * dv);
     if (!w.o.empty()) local.o.weight = w.o.weight.middleCols(first * dv, h * dv);  // bias: after the sum
+    // No layer_norm: it runs after the sum (epilogue).
     CollabHeadOptions o = options;
     o.scale = full.scale_value();
     o.num_heads = h;
     return CollabHead<T>(std::move(local), o);
   }
+
+  /// The full layer's LayerNorm (empty: none), run on the summed output.
+  static CollabLayerNorm<T> epilogue(const CollabHead<T>& full) { return full.weights().layer_norm; }
 };
 
 /// Head-parallel CollabHead: HeadParallel over CollabHead, q and k replicated.

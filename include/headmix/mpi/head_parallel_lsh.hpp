@@ -1,14 +1,14 @@
 // Head-parallel LSH attention over MPI: rank r of P holds heads
 // [r·H/P, (r+1)·H/P): those rows of the shared query/key projection qk and
 // of v, and those columns of o. H must be a multiple of P. The rotations
-// (one shared rotation, given or drawn from options.seed) are the same for
-// every head, so every rank holds or draws them whole and hashes exactly as
-// one process does.
-//
-// Not sharded: rotations_per_head, whose rotation of head h is indexed by
-// b·H + h over all heads (a rank would need its heads' offset): refused.
-// LSH has no decoding step. See head_parallel.hpp for the call, the
-// collectives and the errors.
+// are replicated: one shared rotation, given or drawn from options.seed, is
+// the same for every head; with rotations_per_head, head h of batch item b
+// uses rotation b·H + h over all heads, so the local layer indexes them over
+// the full layer's heads from its first (LshOptions::rotation_heads,
+// rotation_head_offset): seeded, it draws just its heads' rotations; given
+// ([B·H, ...]), every rank holds the whole tensor. Either way each rank
+// hashes its heads exactly as one process does. LSH has no decoding step.
+// See head_parallel.hpp for the call, the collectives and the errors.
 #pragma once
 
 #include "headmix/mpi/head_parallel.hpp"
@@ -25,19 +25,23 @@ struct HeadShard<Lsh, T> {
 
   static void check_split(const LshOptions& o, int P) {
     detail::check_multiple(kName, "num_heads", o.num_heads, P);
-    check_value(!o.rotations_per_head, kName, "rotations_per_head",
-                "false (a head's own rotation is indexed over all heads: not sharded)", o.rotations_per_head);
   }
 
-  static LshOptions local_options(LshOptions o, int P) {
+  /// The local layer's rotation indexing is fixed by its rank (slice).
+  static LshOptions local_options(LshOptions o, int P, const Lsh<T>& local) {
     o.num_heads /= P;
+    o.rotation_heads = local.options().rotation_heads;
+    o.rotation_head_offset = local.options().rotation_head_offset;
     return o;
   }
 
   static void same_split(const LshOptions& now, const LshOptions& next) {
     check_value(next.num_heads == now.num_heads, kName, "num_heads",
                 "the sharded layer's " + std::to_string(now.num_heads), next.num_heads);
-    check_value(!next.rotations_per_head, kName, "rotations_per_head", "false (not sharded)", next.rotations_per_head);
+    check_value(next.rotation_heads == now.rotation_heads, kName, "rotation_heads",
+                "the sharded layer's " + std::to_string(now.rotation_heads), next.rotation_heads);
+    check_value(next.rotation_head_offset == now.rotation_head_offset, kName, "rotation_head_offset",
+                "the sharded layer's " + std::to_string(now.rotation_head_offset), next.rotation_head_offset);
   }
 
   static Lsh<T> slice(const Lsh<T>& full, const LshOptions& options, int rank, int P) {
@@ -47,8 +51,12 @@ struct HeadShard<Lsh, T> {
     local.qk = detail::linear_rows(w.qk, first * dk, h * dk);
     local.v = detail::linear_rows(w.v, first * dv, h * dv);
     if (!w.o.empty()) local.o.weight = w.o.weight.middleCols(first * dv, h * dv);  // bias: after the sum
-    local.rotations = w.rotations;                                                 // one rotation for every head
-    return Lsh<T>(std::move(local), local_options(options, P));
+    local.rotations = w.rotations;  // replicated: see above
+    LshOptions o = options;
+    o.num_heads = h;
+    o.rotation_heads = full.rotation_heads();  // the full layer's indexing, from this rank's first head
+    o.rotation_head_offset = options.rotation_head_offset + first;
+    return Lsh<T>(std::move(local), o);
   }
 };
 

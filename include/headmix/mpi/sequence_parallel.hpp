@@ -2,9 +2,10 @@
 // sequence split across the P ranks of a communicator, the keys gathered.
 // One template, SequenceParallel<Layer, T>, for the variants whose forward
 // takes the queries and the key sequence separately, with a causal offset:
-// MHA (grouped-query included), CollabHead and Talking-Heads, whose head
-// mixing spans all heads, so that splitting the sequence, not the heads, is
-// what shards it.
+// MHA (grouped-query included), CollabHead, Talking-Heads and DCMHA (whose
+// key-wise dynamic factors come from the gathered key rows), the mixing ones
+// among them spanning all heads or head groups, so that splitting the
+// sequence, not the heads, is what shards them.
 //
 // The split (SequenceSplit): without causal, rank r holds the contiguous
 // near-equal positions [r·T/P, (r+1)·T/P). With causal, the sequence is cut
@@ -18,8 +19,8 @@
 // full length T and, optionally, the key padding [B, T] of the whole
 // sequence (the same on every rank); it gets its shard [B, rows(r),
 // out_dim] of the output. The ranks agree (Communicator::agree) that every
-// shard and buffer is right and all passed the same B, T and padding
-// request; then one MPI_Allgather of the shards, padded to the longest
+// shard and buffer is right and all passed the same B, T, padding and
+// probs requests; then one MPI_Allgather of the shards, padded to the longest
 // (B · max_rows · D values per rank), gives every rank the whole sequence,
 // which it uses as the key/value input of its local layer:
 //  - without causal: one forward, queries = its rows, keys = all T;
@@ -27,23 +28,26 @@
 //    with causal_offset g - k0 over the keys [k0, g + n) (k0 = 0, or the
 //    window's first key), so the mask is that of the true positions and
 //    keys no row of the chunk can see are never projected.
-// Each rank projects K and V of the keys it reads itself (T rows without
-// causal; about T(1 + 1/2P) with causal): P times the one-process K/V
-// projection work in all. Gathering projected K/V instead would save it,
-// but needs a layer entry point that takes projected keys, which the
-// variants do not have.
+// Asked for the weights (`probs`), every rank gets the whole [B, H, T, T]:
+// each rank puts its chunks' weights (over the keys each read) into its
+// rows, zeros elsewhere (the keys its rows cannot see: masked, exactly 0
+// in one process too), and one more MPI_Allgather (B · H · max_rows · T
+// values per rank) gives every rank all rows, put back in global order.
+// Each rank projects K and V (DCMHA: and the key-wise factors) of the keys
+// it reads itself (T rows without causal; about T(1 + 1/2P) with causal): P
+// times the one-process K/V projection work in all. Gathering projected K/V
+// instead would save it, but needs a layer entry point that takes projected
+// keys, which the variants do not have.
 //
 // Replicated on every rank: all weights (each rank holds the full layer)
 // and the gathered sequence. Sharded: the queries, the output, the
 // attention work. Every rank's rows compute the same math as one process;
 // only the order of some sums differs (see the tests' tolerance).
 //
-// Not sequence-parallel: DCMHA, whose forward is self-attention only (no
-// separate key sequence or offset; it would need a forward over a slice of
-// the query rows against the full sequence), and LSH, whose buckets sort
-// the whole sequence: a row's keys depend on every other row's hash, so a
-// split would need the full sort on every rank. Both fail to compile with
-// SequenceParallel, with a message saying so.
+// Not run by this template: LSH, whose buckets sort the whole sequence: a
+// row's keys depend on every other row's hash, so every rank needs the full
+// sort. It fails to compile with SequenceParallel, with a message pointing
+// to SequenceParallelLsh.
 #pragma once
 
 #include "headmix/core/error.hpp"
@@ -53,6 +57,7 @@
 #include "headmix/core/workspace.hpp"
 #include "headmix/mpi/communicator.hpp"
 #include "headmix/variants/collab_head.hpp"
+#include "headmix/variants/dcmha.hpp"
 #include "headmix/variants/mha.hpp"
 #include "headmix/variants/talking_heads.hpp"
 
@@ -66,9 +71,7 @@
 #include <vector>
 
 namespace headmix {
-// Named only to refuse them (below); their headers are not needed.
-template <class T>
-class Dcmha;
+// Named only to refuse it (below); its header is not needed.
 template <class T>
 class Lsh;
 }  // namespace headmix
@@ -145,6 +148,50 @@ class SequenceSplit {
     for (Index b = 0; b < src.batch(); ++b) dst.item(b).middleRows(to, n) = src.item(b).middleRows(from, n);
   }
 
+  /// Every rank's shard as an all-gather of shards padded to max_rows
+  /// leaves them, `blocks` [N, P · max_rows, W] (rank r's rows from
+  /// r · max_rows), to their positions in `full` [N, T, W].
+  template <class S, class D>
+  void place(BatchView<S> blocks, BatchView<D> full) const {
+    const Index n = max_rows();
+    for (int r = 0; r < processes_; ++r) {
+      Index at = r * n;
+      for (const Chunk& c : chunks(r)) {
+        copy_rows(blocks, at, full, c.start, c.length);
+        at += c.length;
+      }
+    }
+  }
+
+  /// A local forward's weights `part` [B, H, n, keys] into rows [at, at + n)
+  /// and columns [first, first + keys) of this rank's rows of the weights,
+  /// `mine` [B, H, max_rows, T].
+  template <class T>
+  static void put_weights(const Tensor<T>& part, Index at, Index first, Tensor<T>& mine) {
+    const Index planes = part.dim(0) * part.dim(1), n = part.dim(2), keys = part.dim(3);
+    const Index rows = mine.dim(2), width = mine.dim(3);
+    for (Index h = 0; h < planes; ++h)
+      for (Index i = 0; i < n; ++i)
+        std::copy_n(part.data() + (h * n + i) * keys, keys, mine.data() + (h * rows + at + i) * width + first);
+  }
+
+  /// Every rank's rows of the attention weights, on every rank: `mine` is
+  /// this rank's [B, H, max_rows, T] (its rows in chunk order, then zero
+  /// rows); `probs` gets [B, H, T, T], rows in global positions. One
+  /// all-gather of B · H · max_rows · T values per rank.
+  template <class T>
+  void gather_weights(const Communicator& comm, const Tensor<T>& mine, Tensor<T>& probs) const {
+    const Index B = mine.dim(0), H = mine.dim(1), n = max_rows(), P = processes_;
+    probs.resize({B, H, length_, length_});
+    if (!causal_ && n * P == length_) {  // equal contiguous shards: already in order
+      comm.all_gather_blocks(mine.data(), B * H, n * length_, 1, probs.data());
+      return;
+    }
+    Tensor<T> blocks({B, H, P * n, length_});
+    comm.all_gather_blocks(mine.data(), B * H, n * length_, 1, blocks.data());
+    place(ConstBatchView<T>(blocks.data(), B * H, P * n, length_), BatchView<T>(probs.data(), B * H, length_, length_));
+  }
+
  private:
   // Near-equal cuts: chunk c starts at ⌊c·T/cuts⌋.
   Index bound(Index c, Index cuts) const { return c * length_ / cuts; }
@@ -164,22 +211,21 @@ template <>
 struct SequenceShardable<CollabHead> : std::true_type {};
 template <>
 struct SequenceShardable<TalkingHeads> : std::true_type {};
+template <>
+struct SequenceShardable<Dcmha> : std::true_type {};
 
 template <template <class> class Layer, class T>
 class SequenceParallel {
   static_assert(!std::is_same_v<Layer<T>, Lsh<T>>,
-                "LSH attention is not sequence-parallel: its buckets sort the whole sequence, so one rank's rows "
-                "depend on every row's hash; shard it by heads instead");
-  static_assert(!std::is_same_v<Layer<T>, Dcmha<T>>,
-                "DCMHA is not sequence-parallel yet: its forward is self-attention only, with no separate key "
-                "sequence or causal offset; shard it by head groups (HeadParallelDcmha)");
-  static_assert(SequenceShardable<Layer>::value, "SequenceParallel runs Mha, CollabHead and TalkingHeads");
+                "LSH attention is sequence-parallel as SequenceParallelLsh (headmix/mpi/sequence_parallel_lsh.hpp): "
+                "its buckets sort the whole sequence, so every rank hashes and sorts all of it");
+  static_assert(SequenceShardable<Layer>::value, "SequenceParallel runs Mha, CollabHead, TalkingHeads and Dcmha");
 
  public:
   using Local = Layer<T>;
   using Options = std::decay_t<decltype(std::declval<const Local&>().options())>;
-  /// Values the per-call agreement compares (batch, length, padding).
-  static constexpr std::size_t kAgreed = 3;
+  /// Values the per-call agreement compares (batch, length, padding, probs).
+  static constexpr std::size_t kAgreed = 4;
   static constexpr const char* kName = "sequence-parallel";
 
   /// Every rank passes the same full weights and options and keeps the
@@ -215,31 +261,45 @@ class SequenceParallel {
   /// (in.key empty), `in.key_padding` is empty or [B, length] over the whole
   /// sequence, the same on every rank; `out` [B, rows(rank), out_dim] gets
   /// this rank's rows of the output. A rank with no rows (length < P, or
-  /// 2P with causal) still takes part.
-  void forward(const AttentionInput<T>& in, Index length, BatchView<T> out, Workspace<T>& ws) const {
+  /// 2P with causal) still takes part. With `probs` (on every rank or on
+  /// none), every rank gets the whole sequence's weights [B, H, T, T] (H:
+  /// the heads the local layer's probs have), rows and keys in global
+  /// positions, the one-process layer's: each rank's rows are its local
+  /// forwards' weights, keys a chunk does not read exactly 0, gathered by
+  /// one more all-gather (probs_comm_bytes more).
+  void forward(const AttentionInput<T>& in, Index length, BatchView<T> out, Workspace<T>& ws,
+               Tensor<T>* probs = nullptr) const {
     const Index B = in.query.batch();
     std::optional<SequenceSplit> split;
-    comm_.agree(
-        name(), [&] { split.emplace(check_call(in, length, out)); },
-        {{"batch", B}, {"sequence length", length}, {"key padding", !in.key_padding.empty()}});
+    comm_.agree(name(), [&] { split.emplace(check_call(in, length, out)); },
+                {{"batch", B},
+                 {"sequence length", length},
+                 {"key padding", !in.key_padding.empty()},
+                 {"probs", probs != nullptr}});
     ws.shared(kLastSlot, 0);  // the slot list is as long as it gets: the local layer's slots never move ours
     const ConstBatchView<T> x = gather(in.query, *split, ws);
+    Tensor<T> mine, part;  // with probs: this rank's rows of the weights (zeros), one local forward's
+    if (probs) mine.resize({B, probs_heads(), split->max_rows(), length});
+    Tensor<T>* part_probs = probs ? &part : nullptr;
     if (!opt_.causal) {
-      if (split->rows(comm_.rank()) == 0) return;
-      set_offset(0);
-      local_.forward(AttentionInput<T>{in.query, x, in.key_padding}, out, ws);
-      return;
+      if (split->rows(comm_.rank()) > 0) {
+        set_offset(0);
+        local_.forward(AttentionInput<T>{in.query, x, in.key_padding}, out, ws, part_probs);
+        if (probs) SequenceSplit::put_weights(part, 0, 0, mine);
+      }
+    } else {
+      Index at = 0;
+      for (const SequenceSplit::Chunk& c : split->chunks(comm_.rank())) {
+        if (c.length > 0) run_chunk(in, x, c, at, out, ws, part_probs, mine);
+        at += c.length;
+      }
     }
-    Index at = 0;
-    for (const SequenceSplit::Chunk& c : split->chunks(comm_.rank())) {
-      if (c.length > 0) run_chunk(in, x, c, at, out, ws);
-      at += c.length;
-    }
+    if (probs) split->gather_weights(comm_, mine, *probs);
   }
   /// Allocating form: returns this rank's [B, rows(rank), out_dim].
-  Tensor<T> forward(const AttentionInput<T>& in, Index length, Workspace<T>& ws) const {
+  Tensor<T> forward(const AttentionInput<T>& in, Index length, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
     Tensor<T> out({in.query.batch(), split_rows(length), out_dim()});
-    forward(in, length, out.batch(), ws);
+    forward(in, length, out.batch(), ws, probs);
     return out;
   }
 
@@ -265,12 +325,24 @@ class SequenceParallel {
     return f;
   }
 
-  /// Bytes each rank hands to MPI per forward over B sequences of `length`:
-  /// the agreement, then its padded shard, B · max_rows · D values.
-  /// Communicator::bytes() counts the same.
+  /// Bytes each rank hands to MPI per forward over B sequences of `length`
+  /// without probs: the agreement, then its padded shard, B · max_rows · D
+  /// values. Communicator::bytes() counts the same.
   std::uint64_t comm_bytes(Index B, Index length) const {
     return Communicator::agreement_bytes(kAgreed) +
            static_cast<std::uint64_t>(B * split(length).max_rows() * embed_dim()) * sizeof(T);
+  }
+  /// What asking for probs adds to comm_bytes: this rank's rows of the
+  /// weights, padded to max_rows, B · H · max_rows · T values.
+  std::uint64_t probs_comm_bytes(Index B, Index length) const {
+    return static_cast<std::uint64_t>(B * probs_heads() * split(length).max_rows() * length) * sizeof(T);
+  }
+  /// H of the weights forward() gives (Talking-Heads: its value heads).
+  Index probs_heads() const {
+    if constexpr (std::is_same_v<Local, TalkingHeads<T>>)
+      return local_.value_heads();
+    else
+      return local_.num_heads();
   }
 
  private:
@@ -303,6 +375,7 @@ class SequenceParallel {
   static const char* name() {
     if constexpr (std::is_same_v<Local, Mha<T>>) return "sequence-parallel mha";
     if constexpr (std::is_same_v<Local, CollabHead<T>>) return "sequence-parallel collab";
+    if constexpr (std::is_same_v<Local, Dcmha<T>>) return "sequence-parallel dcmha";
     return "sequence-parallel talking_heads";
   }
 
@@ -344,14 +417,7 @@ class SequenceParallel {
     comm_.all_gather_blocks(send.data(), B, n * D, 1, blocks);
     if (!s.causal() && n * P == s.length()) return {blocks, B, s.length(), D};
     const BatchView<T> x(ws.shared(kSequenceSlot, B * s.length() * D), B, s.length(), D);
-    for (int r = 0; r < P; ++r) {
-      const BatchView<T> from(blocks, B, P * n, D);  // rank r's rows start at r·n
-      Index at = r * n;
-      for (const SequenceSplit::Chunk& c : s.chunks(r)) {
-        SequenceSplit::copy_rows(from, at, x, c.start, c.length);
-        at += c.length;
-      }
-    }
+    s.place(BatchView<T>(blocks, B, P * n, D), x);
     return x;
   }
 
@@ -364,9 +430,10 @@ class SequenceParallel {
   }
 
   // One causal chunk: its rows (local rows [at, at + c.length)) against the
-  // keys they can see, into the same rows of `out`.
+  // keys they can see, into the same rows of `out` (and, with `part`, its
+  // weights into the same rows of `mine`, at the keys' columns).
   void run_chunk(const AttentionInput<T>& in, ConstBatchView<T> x, const SequenceSplit::Chunk& c, Index at,
-                 BatchView<T> out, Workspace<T>& ws) const {
+                 BatchView<T> out, Workspace<T>& ws, Tensor<T>* part, Tensor<T>& mine) const {
     const Index B = x.batch(), D = x.width(), W = out.width();
     const auto [first, offset] = chunk_keys(c);
     const Index keys = c.start + c.length - first;
@@ -383,8 +450,9 @@ class SequenceParallel {
       padding = {padding_.data(), B, keys};
     }
     set_offset(offset);
-    local_.forward(AttentionInput<T>{q, k, padding}, y, ws);
+    local_.forward(AttentionInput<T>{q, k, padding}, y, ws, part);
     SequenceSplit::copy_rows(ConstBatchView<T>(y), 0, out, at, c.length);
+    if (part) SequenceSplit::put_weights(*part, at, first, mine);
   }
 
   // The local layer's mask for the next call (validated options: only the
@@ -413,5 +481,8 @@ using SequenceParallelCollabHead = SequenceParallel<CollabHead, T>;
 /// Sequence-parallel Talking-Heads.
 template <class T>
 using SequenceParallelTalkingHeads = SequenceParallel<TalkingHeads, T>;
+/// Sequence-parallel DCMHA (groups and grouped-query K/V included).
+template <class T>
+using SequenceParallelDcmha = SequenceParallel<Dcmha, T>;
 
 }  // namespace headmix::mpi

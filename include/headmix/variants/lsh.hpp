@@ -37,7 +37,9 @@
 //
 // Rotations. Either given in weights.rotations as [R, dh, NH, NB/2]
 // (R = 1 shared by every batch item and head, or R = B·H with index
-// b·H + h when rotations_per_head), or drawn from options.seed with the
+// b·H + h when rotations_per_head; with options.rotation_heads = N > 0,
+// R = B·N and index b·N + rotation_head_offset + h, the layer's heads being
+// a slice of N, as a head-parallel shard's are), or drawn from options.seed with the
 // platform-independent generator of variants/lsh/rotations.hpp (the same
 // R and index; rotation ρ depends only on (seed, ρ)). The reference draws
 // fresh rotations on every call; headmix keeps them fixed for a seed, so a
@@ -80,6 +82,13 @@ struct LshOptions {
   bool allow_duplicate_attention = true;   ///< false: divide out keys seen more than once (step 6f)
   bool rotations_per_head = false;         ///< one rotation per (batch item, head) instead of one shared
   std::uint64_t seed = 0;                  ///< rotations when weights.rotations is empty
+  /// With rotations_per_head: index the rotations over `rotation_heads`
+  /// heads (0: num_heads), this layer's being heads [rotation_head_offset,
+  /// rotation_head_offset + num_heads) of them, so head h of batch item b
+  /// uses rotation b·rotation_heads + rotation_head_offset + h (how a
+  /// head-parallel shard uses the full layer's). Unused without it.
+  Index rotation_heads = 0;
+  Index rotation_head_offset = 0;
   /// The logit scale on q · k̂ (k̂ the unit key): default 1/sqrt(head_dim),
   /// the spec's (conformance/lsh.md). Any positive scale leaves the hashing
   /// as it is (the buckets depend on qk's direction only).
@@ -154,8 +163,10 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   }
   /// The rotations' shape for a call on B sequences of length T.
   std::vector<Index> rotation_shape(Index B, Index T_) const {
-    return {opt_.rotations_per_head ? B * num_heads() : 1, head_dim(), opt_.n_hashes, layout(T_).n_buckets / 2};
+    return {opt_.rotations_per_head ? B * rotation_heads() : 1, head_dim(), opt_.n_hashes, layout(T_).n_buckets / 2};
   }
+  /// The heads the per-head rotations are indexed over (options().rotation_heads, or H).
+  Index rotation_heads() const { return opt_.rotation_heads > 0 ? opt_.rotation_heads : num_heads(); }
 
   /// Run the layer. `out` must be [B, T, out_dim]. With `probs`, the dense
   /// effective weights are written there as [B, H, T, T] (lsh.md section 4):
@@ -163,32 +174,42 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   void forward(const AttentionInput<T>& in, BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs = nullptr) const {
     const LshLayout layout = check_call(in);
     check_output(kName, out, in.query.batch(), in.query.length(), out_dim());
-    const Call call = prepare(in, layout, ws);
-    const Index B = call.B, T_ = call.L.length, H = num_heads(), dv = v_head_dim();
-    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
-    if (probs) {
-      probs->resize({B, H, T_, T_});
-      probs->set_zero();
-    }
-    lsh_detail::Rules rules;
-    rules.pair_mask = !in.key_padding.empty() || call.L.padded_length > T_;
-    rules.causal = opt_.causal;
-    rules.across = opt_.attend_across_buckets;
-    rules.duplicates = opt_.allow_duplicate_attention;
-    rules.scale = opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())));
+    run(in, layout, 0, in.query.length(), out, ws, probs);
+  }
 
-    parallel_for(B * H, opt_.threads, [&](Index task, int worker) {
-      lsh_detail::HeadJob<T> job = head_job(call, in, task, ws, worker);
-      job.context = ctx.data() + (task / H) * T_ * ctx.cols() + (task % H) * dv;
-      job.context_stride = ctx.cols();
-      if (probs) job.probs = probs->data() + task * T_ * T_;
-      lsh_detail::attend_head(job, call.L, rules, ws, worker);
-    });
+  /// Output rows [first, first + count) of forward(in) on the whole
+  /// sequence `in`, into `out` [B, count, out_dim]: every position is
+  /// projected, hashed and sorted (each is a key), but only these query
+  /// rows attend and go through o (lsh/head.hpp, "Query rows"). What one
+  /// rank of a sequence-parallel layer computes; forward() is the range
+  /// [0, T). A row's arithmetic is forward()'s except that a chunk's
+  /// score and readout GEMMs, and o's, span only the range's rows (which
+  /// may change the last bits; [0, T) is forward() exactly). With `probs`,
+  /// these rows of forward()'s dense weights, [B, H, count, T].
+  void forward_rows(const AttentionInput<T>& in, Index first, Index count, BatchView<T> out, Workspace<T>& ws,
+                    Tensor<T>* probs = nullptr) const {
+    const LshLayout layout = check_call(in);
+    const Index T_ = in.query.length();
+    check_value(first >= 0 && first <= T_, kName, "first row", "in [0, T = " + std::to_string(T_) + "]", first);
+    check_value(count >= 0 && first + count <= T_, kName, "row count",
+                ">= 0, with first row + count <= T = " + std::to_string(T_), count);
+    if (count > 0 || out.data() != nullptr) check_output(kName, out, in.query.batch(), count, out_dim());
+    if (count > 0)
+      run(in, layout, first, count, out, ws, probs);
+    else if (probs)
+      probs->resize({in.query.batch(), num_heads(), 0, T_});
+  }
 
-    if (w_.o.empty())
-      out.rows() = ctx;
-    else
-      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  /// The checks of a call on B sequences of length T that need only the
+  /// extents: slot indices fit, and explicit rotations fit B and T. (What
+  /// a sharded caller checks before it gathers the sequence.)
+  LshLayout check_extents(Index B, Index T_) const {
+    const LshLayout L = layout(T_);
+    if (L.slots() > std::numeric_limits<lsh_detail::Int>::max() - 2 * L.bucket_size)
+      detail::throw_shape(kName, "input.query", "a length T with n_hashes * (T padded to 2 * bucket_size) < 2^31",
+                          detail::format_shape({B, T_, embed_dim()}));
+    if (!w_.rotations.shape().empty()) check_shape(kName, "rotations", rotation_shape(B, T_), w_.rotations.shape());
+    return L;
   }
 
   /// The bucket of every position in every round, [B, H, NH, Tp], in
@@ -215,17 +236,58 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   FlopCount flops(Index B, Index T_, Index S) const {
     if (S != T_)
       detail::throw_shape(kName, "keys", std::to_string(T_) + " (self-attention: S == T)", std::to_string(S));
+    return flops_rows(B, T_, 0, T_);
+  }
+  /// Multiply-adds of forward_rows(first, count) on B sequences of length
+  /// T: the projections and hashing of all positions as above, but scores,
+  /// readout, round combination and o only for the count rows (and the
+  /// autopad rows when the range ends at T); none when count is 0.
+  FlopCount flops_rows(Index B, Index T_, Index first, Index count) const {
+    FlopCount f;
+    if (count <= 0) return f;
     const LshLayout L = layout(T_);
     const Index H = num_heads(), dh = head_dim(), dv = v_head_dim(), Tp = L.padded_length;
-    FlopCount f;
-    f.projection_macs = B * T_ * embed_dim() * H * (dh + dv) + (w_.o.empty() ? 0 : B * T_ * H * dv * out_dim());
+    const Index rows = count + (first + count == T_ ? Tp - T_ : 0);  // the tile rows computed, per round
+    f.projection_macs = B * T_ * embed_dim() * H * (dh + dv) + (w_.o.empty() ? 0 : B * count * H * dv * out_dim());
     f.attention_macs = B * H *
-                       (Tp * dh + Tp * dh * L.rotation_width() + L.slots() * 2 * L.bucket_size * (dh + dv) +
-                        T_ * L.n_hashes * dv);
+                       (Tp * dh + Tp * dh * L.rotation_width() + L.n_hashes * rows * 2 * L.bucket_size * (dh + dv) +
+                        count * L.n_hashes * dv);
     return f;
   }
 
  private:
+  // forward()'s work for output rows [first, first + count) (count >= 1).
+  void run(const AttentionInput<T>& in, const LshLayout& layout, Index first, Index count, BatchView<T> out,
+           Workspace<T>& ws, Tensor<T>* probs) const {
+    const Call call = prepare(in, layout, ws);
+    const Index B = call.B, T_ = call.L.length, H = num_heads(), dv = v_head_dim();
+    MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * count, H * dv);
+    if (probs) {
+      probs->resize({B, H, count, T_});
+      probs->set_zero();
+    }
+    lsh_detail::Rules rules;
+    rules.pair_mask = !in.key_padding.empty() || call.L.padded_length > T_;
+    rules.causal = opt_.causal;
+    rules.across = opt_.attend_across_buckets;
+    rules.duplicates = opt_.allow_duplicate_attention;
+    rules.scale = opt_.scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim())));
+
+    parallel_for(B * H, opt_.threads, [&](Index task, int worker) {
+      lsh_detail::HeadJob<T> job = head_job(call, in, task, ws, worker);
+      job.context = ctx.data() + (task / H) * count * ctx.cols() + (task % H) * dv;
+      job.context_stride = ctx.cols();
+      job.row_begin = first, job.row_end = first + count;
+      if (probs) job.probs = probs->data() + task * count * T_;
+      lsh_detail::attend_head(job, call.L, rules, ws, worker);
+    });
+
+    if (w_.o.empty())
+      out.rows() = ctx;
+    else
+      project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
+  }
+
   struct Call {
     Index B = 0;
     LshLayout L;
@@ -239,14 +301,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     if (!in.self_attention())
       detail::throw_shape(kName, "input.key", "none (LSH attention is self-attention with a shared query/key)",
                           detail::format_shape(in.key.shape()));
-    const Index B = in.query.batch(), T_ = in.query.length();
-    const LshLayout L = layout(T_);
-    if (L.slots() > std::numeric_limits<lsh_detail::Int>::max() - 2 * L.bucket_size)
-      detail::throw_shape(kName, "input.query",
-                          "a length T with n_hashes * (T padded to 2 * bucket_size) < 2^31",
-                          detail::format_shape(in.query.shape()));
-    if (!w_.rotations.shape().empty()) check_shape(kName, "rotations", rotation_shape(B, T_), w_.rotations.shape());
-    return L;
+    return check_extents(in.query.batch(), in.query.length());
   }
 
   // Projections and rotations, shared by forward() and buckets().
@@ -287,7 +342,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     for (Index e = 0; e < dv; ++e) pad[dh + e] = w_.v.has_bias() ? w_.v.bias(h * dv + e) : T(0);
     job.qk_pad = pad;
     job.v_pad = pad + dh;
-    const Index rho = opt_.rotations_per_head ? task : 0;  // b·H + h
+    const Index rho = opt_.rotations_per_head ? b * rotation_heads() + opt_.rotation_head_offset + h : 0;
     if (call.rotations) {
       job.rotation = call.rotations + rho * per;
     } else {
@@ -306,6 +361,12 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     check_value(opt.n_buckets == 0 || (opt.n_buckets >= 2 && opt.n_buckets % 2 == 0), kName, "n_buckets",
                 "0 (padded length / bucket_size) or an even number >= 2", opt.n_buckets);
     check_value(opt.threads >= 1, kName, "threads", ">= 1", opt.threads);
+    check_value(opt.rotation_heads >= 0, kName, "rotation_heads", ">= 0 (0: num_heads)", opt.rotation_heads);
+    check_value(opt.rotation_head_offset >= 0 &&
+                    opt.rotation_head_offset + opt.num_heads <= (opt.rotation_heads > 0 ? opt.rotation_heads : opt.num_heads),
+                kName, "rotation_head_offset",
+                ">= 0 with rotation_head_offset + num_heads <= rotation_heads (0 without rotation_heads)",
+                opt.rotation_head_offset);
     if (opt.scale && !(std::isfinite(*opt.scale) && *opt.scale > 0))
       detail::throw_shape(kName, "scale", "a finite number > 0", std::to_string(*opt.scale));
     const Index H = opt.num_heads, hdk = w_.qk.out_features(), hdv = w_.v.out_features();

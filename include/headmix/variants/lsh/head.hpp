@@ -12,10 +12,21 @@
 // so memory is O(bs²) per chunk, plus O(n_hashes · Tp) integers for the
 // sort. Only when the dense weights are asked for are all chunks' tiles
 // kept ([rounds · chunks, bs, 2·bs], O(n_hashes · Tp · bs)), to be scattered
-// into [T, T] at the end.
+// into [T, T] at the end (for a row range, below: its rows, [rows, T]).
+//
+// Query rows. A call may compute only the query rows of positions
+// [row_begin, row_end) (what one rank of a sequence-parallel layer owns):
+// every position is still hashed, sorted and read as a key, but each
+// chunk's tile has only the rows of its queries in the range (none: the
+// chunk is skipped). The whole sequence is the range [0, T). A range that
+// ends at T also takes the autopad queries, computed and then discarded as
+// the whole-sequence call always has, so that ranges partitioning [0, T)
+// compute exactly the whole call's tile rows, and the whole call is
+// unchanged (every chunk's tile has all bs rows).
 #pragma once
 
 #include "headmix/core/attention_tensor.hpp"
+#include "headmix/core/error.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
 
@@ -76,7 +87,12 @@ struct HeadJob {
   const std::uint8_t* padding = nullptr;  ///< [T], 1 = padded; or null
   T* context = nullptr;  ///< out: row p < T at context + p · context_stride
   Index context_stride = 0;
-  T* probs = nullptr;    ///< out, optional: [T, T], zeroed by the caller
+  /// out, optional: the computed rows' weights [row_end − row_begin, T],
+  /// row p at (p − row_begin) · T ([T, T] for the whole sequence), zeroed by the caller
+  T* probs = nullptr;
+  /// The query rows computed: positions [row_begin, row_end) (see the file
+  /// comment); row p's output is at context + (p − row_begin) · context_stride.
+  Index row_begin = 0, row_end = 0;
   Index head_dim = 0, value_dim = 0;
 };
 
@@ -92,7 +108,7 @@ Int* local_ints(Workspace<T>& ws, int worker, std::size_t slot, Index count) {
 /// Per-worker slots, after the pipeline's own local slots.
 enum : std::size_t {
   s_hash = slot::local_variant, s_kscale, s_query, s_key, s_value, s_logits, s_weights, s_out, s_row_stats, s_run_stats, s_pad_rows,
-  s_rotation, s_log_count, s_bucket, s_pos, s_chunk_of, s_counts, s_valid, s_key_meta, s_query_meta
+  s_rotation, s_log_count, s_bucket, s_pos, s_chunk_of, s_counts, s_valid, s_key_meta, s_query_meta, s_query_rows
 };
 
 /// Step 2's argmax over the NB-vector [u, −u], ties to the lowest index.
@@ -162,6 +178,13 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   const Index NC = L.chunks, cpr = L.chunks_per_round, dh = job.head_dim, dv = job.value_dim;
   const T neg = masked_logit<T>();
   const bool keep_tiles = job.probs != nullptr;
+  const Index r0 = job.row_begin, r1 = job.row_end;
+  const bool autopad_rows = r1 == T_ && r1 > r0;  // see the file comment
+  HEADMIX_ASSERT(0 <= r0 && r0 <= r1 && r1 <= T_);
+  auto computed = [&](Index p) { return (p >= r0 && p < r1) || (autopad_rows && p >= T_); };
+  auto context_row = [&](Index p) {
+    return Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(job.context + (p - r0) * job.context_stride, dv);
+  };
 
   // Steps 2-3: hash and sort.
   Int* bucket = local_ints(ws, worker, s_bucket, NH * Tp);
@@ -193,7 +216,8 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
     std::fill(kscale + T_, kscale + Tp, pad_scale);
   }
 
-  // Chunk buffers: rows [0, bs) hold chunk c, rows [bs, 2bs) chunk c − 1.
+  // Chunk buffers: rows [0, bs) hold chunk c, rows [bs, 2bs) chunk c − 1;
+  // Q holds the computed queries of chunk c, whose slots are query_rows[0, n).
   MatrixMap<T> Q(ws.local(worker, s_query, bs * dh), bs, dh);
   MatrixMap<T> K(ws.local(worker, s_key, 2 * bs * dh), 2 * bs, dh);
   MatrixMap<T> V(ws.local(worker, s_value, 2 * bs * dv), 2 * bs, dv);
@@ -208,15 +232,15 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   T* run_stats = ws.local(worker, s_run_stats, 2 * Tp);          // per position: running max, running sum
   MatrixMap<T> O(ws.local(worker, s_out, bs * dv), bs, dv);
   Int* query_meta = rules.duplicates ? nullptr : local_ints(ws, worker, s_query_meta, 4 * NH);
+  Int* query_rows = local_ints(ws, worker, s_query_rows, bs);
 
+  using Row = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+  auto qk_row = [&](Index p) { return Row(p < T_ ? job.qk + p * job.qk_stride : job.qk_pad, dh); };
   auto gather = [&](Index c, Index off) {
     for (Index q = 0; q < bs; ++q) {
       const Index s = c * bs + q, p = pos[s], r = s / Tp;
-      const T* qk = p < T_ ? job.qk + p * job.qk_stride : job.qk_pad;
       const T* v = p < T_ ? job.v + p * job.v_stride : job.v_pad;
-      const Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>> qk_row(qk, dh);
-      if (off == 0) Q.row(q) = qk_row;
-      K.row(off + q) = qk_row * kscale[p];
+      K.row(off + q) = qk_row(p) * kscale[p];
       V.row(off + q) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(v, dv);
       key_pos[off + q] = static_cast<Int>(p);
       key_bucket[off + q] = static_cast<Int>(r * NB + bucket[r * Tp + p]);
@@ -246,11 +270,12 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
     return n;
   };
 
-  // Step 6: logits of chunk c in place, rules in the spec's order.
-  auto mask = [&](Eigen::Map<Matrix<T>> tile) {
+  // Step 6: logits of chunk c's n computed queries in place, rules in the spec's order.
+  auto mask = [&](Eigen::Map<Matrix<T>> tile, Index n) {
     const Index cols = 2 * bs;
-    for (Index q = 0; q < bs; ++q) {
-      T* row = &tile(q, 0);
+    for (Index k = 0; k < n; ++k) {
+      const Index q = query_rows[k];
+      T* row = &tile(k, 0);
       const Int i = key_pos[q], gi = key_bucket[q];
       if (rules.pair_mask) {  // b
         if (!key_valid[q]) std::fill(row, row + cols, neg);
@@ -280,8 +305,8 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   // Step 7: max-subtracted softmax per row, normalised as e / Σe (in float
   // the exp(x − logsumexp) form loses ~ulp(5e4) in self-only rows). The row
   // max and sum are kept: step 8 weighs the rounds by them.
-  auto softmax = [&](Eigen::Map<Matrix<T>> in, Eigen::Map<Matrix<T>> out, T* row_max, T* row_sum) {
-    for (Index q = 0; q < bs; ++q) {
+  auto softmax = [&](Eigen::Map<Matrix<T>> in, Eigen::Map<Matrix<T>> out, T* row_max, T* row_sum, Index n) {
+    for (Index q = 0; q < n; ++q) {
       const T m = in.row(q).maxCoeff();
       if (m != m) {  // a NaN logit: poison the row and, through step 8, its position
         out.row(q).setConstant(m);
@@ -313,13 +338,12 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   T* run_sum = run_stats + Tp;
   std::fill(run_max, run_max + Tp, neg);
   std::fill(run_sum, run_sum + Tp, T(0));
-  for (Index p = 0; p < T_; ++p)
-    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(job.context + p * job.context_stride, dv).setZero();
-  auto merge = [&](const T* row_max, const T* row_sum) {
-    for (Index q = 0; q < bs; ++q) {
-      const Index i = key_pos[q];
+  for (Index p = r0; p < r1; ++p) context_row(p).setZero();
+  auto merge = [&](const T* row_max, const T* row_sum, Index n) {
+    for (Index q = 0; q < n; ++q) {
+      const Index i = key_pos[query_rows[q]];
       if (i >= T_ || row_sum[q] == T(0)) continue;  // autopad queries are sliced off
-      Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> acc(job.context + i * job.context_stride, dv);
+      auto acc = context_row(i);
       const T m = row_max[q];
       if (m > run_max[i]) {
         const T a = std::exp(run_max[i] - m);
@@ -333,41 +357,61 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
     }
   };
 
-  gather(NC - 1, bs);  // chunk 0 looks back at the last chunk of the last round
+  Index loaded = -1;  // the chunk in key rows [0, bs), if any
   for (Index c = 0; c < NC; ++c) {
-    if (c > 0) shift();
+    Index n = 0;
+    for (Index q = 0; q < bs; ++q)
+      if (computed(pos[c * bs + q])) query_rows[n++] = static_cast<Int>(q);
+    if (n == 0) continue;  // no query of this chunk is computed
+    if (loaded >= 0 && loaded == c - 1)
+      shift();
+    else
+      gather((c + NC - 1) % NC, bs);  // chunk 0 looks back at the last chunk of the last round
     gather(c, 0);
+    loaded = c;
+    for (Index k = 0; k < n; ++k) Q.row(k) = qk_row(key_pos[query_rows[k]]);
+    // The tile's first n rows (all bs of them for the whole sequence). One
+    // row would go to Eigen's matrix-vector kernel, which sums in another
+    // order than the tile GEMM: then a copy of it rides along as row 2.
+    const Index m = std::min(bs, std::max<Index>(n, 2));
+    if (m > n) Q.row(1) = Q.row(0);
     const Index tile = keep_tiles ? c : 0;
     T* row_max = row_stats + 2 * tile * bs;
     T* row_sum = row_max + bs;
-    logits.head(0).noalias() = Q * K.transpose();  // score
-    mask(logits.head(0));
-    softmax(logits.head(0), weights.head(tile), row_max, row_sum);
-    O.noalias() = weights.head(tile) * V;  // readout
-    merge(row_max, row_sum);
+    MatrixMap<T> scores(logits.head(0).data(), m, 2 * bs), tile_weights(weights.head(tile).data(), m, 2 * bs);
+    scores.noalias() = MatrixMap<T>(Q.data(), m, dh) * K.transpose();  // score
+    mask(scores, n);
+    softmax(scores, tile_weights, row_max, row_sum, n);
+    if (m > n) tile_weights.row(1) = tile_weights.row(0);
+    MatrixMap<T>(O.data(), m, dv).noalias() = tile_weights * V;  // readout
+    merge(row_max, row_sum, n);
   }
-  for (Index p = 0; p < T_; ++p)
-    Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>(job.context + p * job.context_stride, dv) *= T(1) / run_sum[p];
+  for (Index p = r0; p < r1; ++p) context_row(p) *= T(1) / run_sum[p];
 
   if (!keep_tiles) return;
-  // Section 4: P[i, j] = Σ_r w_r(i) Σ_{slots t of row (r, i) holding j} p_t.
+  // Section 4: P[i, j] = Σ_r w_r(i) Σ_{slots t of row (r, i) holding j} p_t,
+  // for the computed rows. A tile's row k is its chunk's k-th computed query
+  // slot (k = q for the whole sequence); a chunk without one was skipped.
   for (Index c = 0; c < NC; ++c) {
     const Index prev = (c + NC - 1) % NC;
     const auto tile = weights.head(c);
     const T* row_max = row_stats + 2 * c * bs;
     const T* row_sum = row_max + bs;
+    Index k = 0;
     for (Index q = 0; q < bs; ++q) {
       const Index i = pos[c * bs + q];
-      if (i >= T_ || row_sum[q] == T(0)) continue;
-      const T f = row_sum[q] * std::exp(row_max[q] - run_max[i]) / run_sum[i];
-      T* out = job.probs + i * T_;
+      if (!computed(i)) continue;
+      const Index row = k++;
+      if (i >= T_ || row_sum[row] == T(0)) continue;
+      const T f = row_sum[row] * std::exp(row_max[row] - run_max[i]) / run_sum[i];
+      T* out = job.probs + (i - r0) * T_;
       for (Index t = 0; t < bs; ++t) {
         const Index j = pos[c * bs + t];
-        if (j < T_) out[j] += f * tile(q, t);
+        if (j < T_) out[j] += f * tile(row, t);
       }
       for (Index t = 0; t < bs; ++t) {
         const Index j = pos[prev * bs + t];
-        if (j < T_) out[j] += f * tile(q, bs + t);
+        if (j < T_) out[j] += f * tile(row, bs + t);
       }
     }
   }
