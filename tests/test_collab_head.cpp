@@ -20,6 +20,7 @@
 #include "test_util.hpp"
 #include "headmix/variants/collab_head.hpp"
 #include "reference/collab_reference.hpp"
+#include "cases/collab_head.hpp"
 
 #include <gtest/gtest.h>
 
@@ -41,196 +42,7 @@ using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
 
-// ---------------------------------------------------------------------------
-// Random problems
-
-enum class Mixing {
-  dense,     // every entry non-zero
-  block,     // CONCATENATE: head h owns columns [h·c, (h+1)·c), c = ceil(R/H), random values there
-  banded,    // each head a random column range, zeros outside and one zero inside
-  zero_row,  // dense, but head 0 has an all-zero row (its logits are the content bias alone)
-};
-
-/// One test problem. Self-attention forces S = T and Dkv = D. LayerNorm
-/// forces out_dim = D (out = D, or Dv = D / H without o).
-struct Shape {
-  int B = 2, T = 5, S = 5, D = 8, Dkv = 8, H = 2, R = 6, Dv = 4, out = 8;
-  bool cross = false;
-  bool content_bias = true;
-  bool v_bias = true;
-  bool out_proj = true;
-  bool layer_norm = false;
-  Mixing mixing = Mixing::dense;
-  double scale = 0;  // 0: the default 1/sqrt(R/H)
-  bool causal = false;
-  long offset = 0;
-  long window = 0;  // sliding window (with causal); 0 means none
-  double pad_rate = 0;
-  Index block_rows = 64;
-  Index key_block = 0;  // keys per online-softmax step; 0 = automatic
-  int threads = 1;
-
-  int out_dim() const { return out_proj ? out : H * Dv; }
-};
-
-std::string describe(const Shape& s) {
-  std::ostringstream o;
-  o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " H=" << s.H
-    << " R=" << s.R << " Dv=" << s.Dv << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
-    << (s.cross ? " cross" : " self") << " cb=" << s.content_bias << " v_bias=" << s.v_bias << " ln=" << s.layer_norm
-    << " mixing=" << static_cast<int>(s.mixing) << " scale=" << s.scale << " causal=" << s.causal
-    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " block_rows=" << s.block_rows
-    << " key_block=" << s.key_block << " threads=" << s.threads;
-  return o.str();
-}
-
-template <class T>
-headmix_ref::RefLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::RefLinear>(lin);
-}
-
-template <class T>
-headmix_ref::RefBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
-}
-
-template <class T>
-Matrix<T> make_mixing(Rng& rng, const Shape& s) {
-  Matrix<T> m = random_matrix<T>(rng, s.H, s.R, 1.0);
-  if (s.mixing == Mixing::block) {
-    const int c = (s.R + s.H - 1) / s.H;
-    for (int h = 0; h < s.H; ++h)
-      for (int r = 0; r < s.R; ++r)
-        if (r < h * c || r >= (h + 1) * c) m(h, r) = T(0);
-  } else if (s.mixing == Mixing::banded) {
-    for (int h = 0; h < s.H; ++h) {
-      const int lo = uniform_int(rng, 0, s.R - 1), hi = uniform_int(rng, lo + 1, s.R);
-      for (int r = 0; r < s.R; ++r)
-        if (r < lo || r >= hi) m(h, r) = T(0);
-      if (hi - lo >= 3) m(h, lo + 1) = T(0);  // a zero inside the span is still computed
-    }
-  } else if (s.mixing == Mixing::zero_row) {
-    m.row(0).setZero();
-  }
-  return m;
-}
-
-template <class T>
-struct Problem {
-  Shape s;
-  headmix::CollabHeadWeights<T> w;
-  Matrix<T> xq;                       // [B*T, D]
-  Matrix<T> xk;                       // [B*S, Dkv]; unused for self-attention
-  std::vector<std::uint8_t> padding;  // [B, S] or empty
-
-  headmix::CollabHeadOptions options() const {
-    headmix::CollabHeadOptions o;
-    o.num_heads = s.H;
-    o.causal = s.causal;
-    o.causal_offset = s.offset;
-    o.window = s.window;
-    if (s.scale != 0) o.scale = s.scale;
-    o.block_rows = s.block_rows;
-    o.key_block = s.key_block;
-    o.threads = s.threads;
-    return o;
-  }
-  headmix::CollabHead<T> layer() const { return headmix::CollabHead<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
-    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
-    return in;
-  }
-  headmix_ref::RefCollabWeights ref_weights() const {
-    headmix_ref::RefCollabWeights r;
-    r.num_heads = s.H, r.shared_dim = s.R, r.embed_dim = s.D, r.key_dim = s.Dkv;
-    r.q = widen(w.q), r.k = widen(w.k), r.mixing = widen(w.mixing), r.content_bias = widen(w.content_bias);
-    r.v = to_ref(w.v), r.o = to_ref(w.o);
-    for (Index i = 0; i < w.layer_norm.weight.size(); ++i) r.ln_weight.push_back(double(w.layer_norm.weight(i)));
-    for (Index i = 0; i < w.layer_norm.bias.size(); ++i) r.ln_bias.push_back(double(w.layer_norm.bias(i)));
-    r.ln_eps = w.layer_norm.eps;
-    return r;
-  }
-  headmix_ref::RefMhaResult reference() const {
-    headmix_ref::RefCollabOptions ro;
-    ro.causal = s.causal;
-    ro.causal_offset = s.offset;
-    ro.window = s.window;
-    // The shape's scale, or 0: the reference's own default from collab.md,
-    // 1/sqrt(R/H), never the layer's (which the float layer rounds to float).
-    ro.scale = s.scale;
-    const headmix_ref::RefBatch q = to_ref_batch(xq, s.B);
-    if (!s.cross) return headmix_ref::collab_reference(ref_weights(), ro, q, nullptr, padding);
-    const headmix_ref::RefBatch k = to_ref_batch(xk, s.B);
-    return headmix_ref::collab_reference(ref_weights(), ro, q, &k, padding);
-  }
-};
-
-template <class T>
-Problem<T> make_problem(Shape s, unsigned seed) {
-  if (!s.cross) s.S = s.T, s.Dkv = s.D;
-  if (s.layer_norm) {
-    if (s.out_proj)
-      s.out = s.D;
-    else
-      s.D = s.H * s.Dv, s.Dkv = s.cross ? s.Dkv : s.D;
-  }
-  Rng rng(seed);
-  Problem<T> p;
-  p.s = s;
-  p.w.q = random_matrix<T>(rng, s.R, s.D, 1.0 / std::sqrt(double(s.D)));
-  p.w.k = random_matrix<T>(rng, s.R, s.Dkv, 1.0 / std::sqrt(double(s.Dkv)));
-  p.w.mixing = make_mixing<T>(rng, s);
-  if (s.content_bias) p.w.content_bias = random_matrix<T>(rng, s.H, s.Dkv, 1.0 / std::sqrt(double(s.Dkv)));
-  p.w.v = random_linear<T>(rng, s.H * s.Dv, s.Dkv, s.v_bias);
-  if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.H * s.Dv, true);
-  if (s.layer_norm) {
-    p.w.layer_norm.weight = random_matrix<T>(rng, s.D, 1, 0.5, 1.5);
-    p.w.layer_norm.bias = random_matrix<T>(rng, s.D, 1, 0.5);
-  }
-  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
-  return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const Result<T> got = run(p);
-  const headmix_ref::RefMhaResult want = p.reference();
-  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.S}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
-}
+using namespace collab_case;  // Shape/Problem/run/expect_matches_reference: cases/collab_head.hpp
 
 template <class T>
 class CollabHeadTest : public ::testing::Test {};
@@ -528,132 +340,6 @@ TYPED_TEST(CollabHeadTest, BlockRowsNotDividingT) {
   expect_matches_reference(make_problem<TypeParam>(s, 42));
 }
 
-// Task boundaries do not depend on the thread count, so neither may a bit of
-// the result. The second shape has B*T > 256 rows, so the projections, the
-// content bias and the LayerNorm also split into several row chunks.
-TYPED_TEST(CollabHeadTest, ThreadCountDoesNotChangeBits) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(3);
-  shapes[0].B = 3, shapes[0].T = 10, shapes[0].cross = true, shapes[0].S = 13, shapes[0].Dkv = 5;
-  shapes[0].causal = true, shapes[0].offset = 2, shapes[0].pad_rate = 0.3, shapes[0].block_rows = 3;
-  shapes[1].B = 2, shapes[1].T = 150, shapes[1].D = 16, shapes[1].R = 12, shapes[1].block_rows = 16,
-  shapes[1].layer_norm = true;
-  shapes[2].B = 2, shapes[2].T = 140, shapes[2].cross = true, shapes[2].S = 200, shapes[2].mixing = Mixing::block,
-  shapes[2].H = 3, shapes[2].R = 9, shapes[2].block_rows = 32;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    auto p = make_problem<T>(shapes[n], 43 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const Result<T> one = run(p);
-    for (int threads : {2, 3}) {
-      p.s.threads = threads;
-      const Result<T> many = run(p);
-      EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads";
-      EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads";
-    }
-    expect_matches_reference(p);
-  }
-}
-
-// One Workspace through calls of growing, shrinking and differently shaped
-// problems must give what a fresh one gives, bit for bit; and a repeated
-// call of the same shape must not grow it.
-TYPED_TEST(CollabHeadTest, WorkspaceReusedAcrossShapes) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(5);
-  shapes[0].B = 3, shapes[0].T = 12, shapes[0].cross = true, shapes[0].S = 9, shapes[0].Dkv = 6,
-  shapes[0].pad_rate = 0.3;
-  shapes[1].B = 1, shapes[1].T = 2, shapes[1].H = 1, shapes[1].R = 3, shapes[1].Dv = 2;
-  shapes[2].T = 7, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].block_rows = 2, shapes[2].pad_rate = 0.3;
-  shapes[3].B = 3, shapes[3].T = 20, shapes[3].D = 12, shapes[3].H = 3, shapes[3].R = 15, shapes[3].out_proj = false;
-  shapes[4].B = 1, shapes[4].T = 1, shapes[4].cross = true, shapes[4].S = 4, shapes[4].Dkv = 2,
-  shapes[4].content_bias = false;
-  headmix::Workspace<T> ws;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<T>(shapes[n], 50 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const Result<T> reused = run(p, ws);
-    const Result<T> fresh = run(p);
-    EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
-    EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
-    EXPECT_TRUE(all_close("output", reused.out, p.reference().output, default_tolerance<T>()));
-  }
-  const auto p = make_problem<T>(shapes[3], 60);
-  headmix::Workspace<T> sized;
-  run(p, sized);
-  const std::size_t bytes = sized.bytes();
-  run(p, sized);
-  EXPECT_EQ(sized.bytes(), bytes);
-}
-
-// probs is resized to [B, H, T, S] and every entry written, even when the
-// tensor arrives with another shape and stale contents.
-TYPED_TEST(CollabHeadTest, ProbsOutputResizedAndFullyWritten) {
-  using T = TypeParam;
-  Shape s;
-  s.cross = true, s.T = 6, s.S = 9, s.H = 3, s.R = 7, s.causal = true, s.offset = 1, s.pad_rate = 0.3;
-  const auto p = make_problem<T>(s, 61);
-  const headmix_ref::RefMhaResult want = p.reference();
-  for (const std::vector<Index>& stale_shape : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
-    Tensor<T> probs(stale_shape);
-    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
-    Tensor<T> out({s.B, s.T, s.out});
-    headmix::Workspace<T> ws;
-    p.layer().forward(p.input(), out.batch(), ws, &probs);
-    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.H, s.T, s.S}));
-    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
-  }
-}
-
-TYPED_TEST(CollabHeadTest, AllocatingForwardMatchesBufferForward) {
-  using T = TypeParam;
-  Shape s;
-  s.cross = true, s.S = 7, s.out = 5, s.pad_rate = 0.2;
-  const auto p = make_problem<T>(s, 62);
-  const Result<T> expected = run(p);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
-  EXPECT_EQ(out.shape(), (std::vector<Index>{s.B, s.T, s.out}));
-  EXPECT_TRUE(bit_identical("output", out, expected.out));
-  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
-  const Tensor<T> out_without_probs = p.layer().forward(p.input(), ws);
-  EXPECT_TRUE(bit_identical("output without probs", out_without_probs, expected.out));
-  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
-}
-
-// forward(Matrix) is self-attention over one [T, D] sequence.
-TYPED_TEST(CollabHeadTest, SingleSequenceForward) {
-  using T = TypeParam;
-  Shape s;
-  s.B = 1, s.T = 7, s.out = 6, s.causal = true;
-  const auto p = make_problem<T>(s, 63);
-  const Matrix<T> y = p.layer().forward(p.xq);
-  ASSERT_EQ(y.rows(), s.T);
-  ASSERT_EQ(y.cols(), s.out);
-  EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
-                        default_tolerance<T>()));
-  const Result<T> batched = run(p);
-  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], batched.out[i]) << i;
-}
-
-// options() may change masking, scale, block size and threads between calls.
-TYPED_TEST(CollabHeadTest, OptionsChangedBetweenCalls) {
-  using T = TypeParam;
-  Shape s;
-  s.T = 9, s.pad_rate = 0.2;
-  auto p = make_problem<T>(s, 64);
-  headmix::CollabHead<T> layer = p.layer();
-  headmix::Workspace<T> ws;
-  for (int step = 0; step < 3; ++step) {
-    p.s.causal = step > 0, p.s.offset = step == 2 ? -2 : 0, p.s.block_rows = 2 + step, p.s.threads = 1 + step;
-    p.s.scale = step == 1 ? 0.3 : 0;
-    layer.set_options(p.options());
-    Tensor<T> out({s.B, s.T, s.out});
-    layer.forward(p.input(), out.batch(), ws);
-    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
-  }
-}
-
 // Windows of 1, 3 and more than T over causal offsets, self and padded
 // cross (the test_util.hpp cases), dense and block mixing, a LayerNorm.
 TYPED_TEST(CollabHeadTest, SlidingWindowMatchesReference) {
@@ -673,34 +359,6 @@ TYPED_TEST(CollabHeadTest, LongWindowIsPlainCausalAndAutomaticBlockRows) {
   expect_matches_reference(make_problem<TypeParam>(s, 511));
   s.causal = true, s.window = 5, s.threads = 2;
   expect_matches_reference(make_problem<TypeParam>(s, 512));
-}
-
-// flops() must equal the multiply-adds the naive algorithm performs:
-// projections (shared query/key, content bias, values, o), the mixed query
-// rows, and (span + Dv) per causally visible pair per head.
-TYPED_TEST(CollabHeadTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(11);
-  shapes[0].D = 16, shapes[0].R = 12, shapes[0].Dv = 8, shapes[0].out = 16, shapes[0].T = 7;
-  shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].R = 5, shapes[1].Dv = 5,
-  shapes[1].causal = true, shapes[1].out_proj = false;
-  shapes[2].T = 8, shapes[2].causal = true, shapes[2].offset = -3, shapes[2].pad_rate = 0.5;
-  shapes[3].cross = true, shapes[3].T = 3, shapes[3].S = 10, shapes[3].causal = true, shapes[3].offset = 7;
-  shapes[4].T = 6, shapes[4].causal = true, shapes[4].offset = -20;  // nothing visible
-  shapes[5].B = 3, shapes[5].T = 1, shapes[5].H = 3, shapes[5].out = 2, shapes[5].content_bias = false;
-  shapes[6].H = 4, shapes[6].R = 16, shapes[6].T = 9, shapes[6].mixing = Mixing::block;
-  shapes[7].H = 3, shapes[7].R = 11, shapes[7].T = 6, shapes[7].mixing = Mixing::banded, shapes[7].layer_norm = true;
-  shapes[8].H = 2, shapes[8].T = 4, shapes[8].mixing = Mixing::zero_row, shapes[8].cross = true, shapes[8].S = 3;
-  shapes[9].T = 9, shapes[9].causal = true, shapes[9].window = 3;  // only the pairs inside the window
-  shapes[10].cross = true, shapes[10].T = 4, shapes[10].S = 12, shapes[10].causal = true, shapes[10].offset = 6,
-  shapes[10].window = 5, shapes[10].pad_rate = 0.3, shapes[10].mixing = Mixing::block, shapes[10].H = 3;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<TypeParam>(shapes[n], 70 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const headmix_ref::RefMhaResult want = p.reference();
-    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.S);
-    EXPECT_EQ(got.projection_macs, want.projection_macs);
-    EXPECT_EQ(got.attention_macs, want.attention_macs);
-  }
 }
 
 // With block mixing at R = H·Dk the score stage costs what MHA's does: the
@@ -784,11 +442,6 @@ TEST_F(BadInput, ValidSetupRuns) {  // so that each failure below is the one bro
   EXPECT_NO_THROW(forward(input(), headmix::BatchView<double>(out.data(), B, T, D)));
 }
 
-TEST_F(BadInput, ZeroHeads) {
-  opt.num_heads = 0;
-  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
-}
-
 TEST_F(BadInput, MixingRowsNotHeads) {
   opt.num_heads = 3;
   EXPECT_SHAPE_ERROR(build(), "mixing", "expected [3, 6]", "got [2, 6]");
@@ -847,11 +500,6 @@ TEST_F(BadInput, OutputBiasLength) {
   EXPECT_SHAPE_ERROR(build(), "o.bias", "expected [10]", "got [9]");
 }
 
-TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
-  w.o.weight.resize(0, 0);
-  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 6] (o.bias is given)", "got [0, 0]");
-}
-
 TEST_F(BadInput, LayerNormNeedsOutDimEqualToEmbedDim) {
   with_layer_norm();
   Rng rng(8);
@@ -879,90 +527,6 @@ TEST_F(BadInput, LayerNormEps) {
   EXPECT_SHAPE_ERROR(build(), "layer_norm.eps", "expected a finite number >= 0", "got -1");
   w.layer_norm.eps = std::numeric_limits<double>::infinity();
   EXPECT_SHAPE_ERROR(build(), "layer_norm.eps", "expected a finite number >= 0", "got inf");
-}
-
-TEST_F(BadInput, QueryWidth) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), B, T, D - 1);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
-}
-
-TEST_F(BadInput, KeyWidth) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), B, S, Dkv - 1);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [2, 7, 11]");
-}
-
-TEST_F(BadInput, KeyBatchNotQueryBatch) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), 1, S, Dkv);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [1, 7, 12]");
-}
-
-TEST_F(BadInput, KeyPaddingMaskShape) {
-  auto in = input();
-  in.key_padding.keys = S - 1;
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [2, 6]");
-  in.key_padding = headmix::KeyPadding{padding.data(), 1, S};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [1, 7]");
-}
-
-TEST_F(BadInput, OutputBufferShape) {
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
-                     "expected [2, 5, 10]", "got [2, 5, 9]");
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T - 1, Out)), "output",
-                     "expected [2, 5, 10]", "got [2, 4, 10]");
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>()), "output", "expected [2, 5, 10]", "no buffer");
-}
-
-TEST_F(BadInput, ZeroLengthQuery) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), B, 0, D);
-  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "expected [",
-                     "T >= 1", "got [2, 0, 16]");
-}
-
-TEST_F(BadInput, ZeroBatch) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), 0, T, D);
-  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), 0, T, Out)), "input.query", "expected [",
-                     "B >= 1", "got [0, 5, 16]");
-}
-
-TEST_F(BadInput, ZeroLengthKey) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), B, 0, Dkv);
-  in.key_padding = {};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, S >= 1, 12]", "got [2, 0, 12]");
-}
-
-TEST_F(BadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
-  auto in = input();
-  in.key = {};
-  in.key_padding = {};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
-}
-
-TEST_F(BadInput, NegativeBlockRows) {
-  opt.block_rows = -1;
-  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
-}
-
-TEST_F(BadInput, ZeroThreads) {
-  opt.threads = 0;
-  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
-}
-
-TEST_F(BadInput, WindowNeedsCausalAndIsNotNegative) {
-  opt.window = 2;
-  EXPECT_SHAPE_ERROR(build(), "window", "expected 0 unless causal (a window needs causal = true)", "got 2");
-  opt.causal = true, opt.window = -1;
-  EXPECT_SHAPE_ERROR(build(), "window", "expected >= 0", "got -1");
-}
-
-TEST_F(BadInput, NonFiniteScale) {
-  opt.scale = std::numeric_limits<double>::quiet_NaN();
-  EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number", "got nan");
 }
 
 // set_options() checks like the constructor and leaves the layer as it was

@@ -32,6 +32,7 @@
 #include "reference/dcmha_reference.hpp"
 
 #include "conformance/case_dcmha.hpp"
+#include "cases/dcmha.hpp"
 
 #include <gtest/gtest.h>
 
@@ -47,195 +48,7 @@
 namespace {
 
 using namespace headmix_test;
-
-using headmix::Dcmha;
-using headmix::SequenceCache;
-using headmix::DcmhaOptions;
-using headmix::DcmhaWeights;
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
-
-// ---------------------------------------------------------------------------
-// Random problems
-
-/// One test problem.
-struct Config {
-  int B = 2, T = 7, D = 12, H = 4, dk = 3, dv = 3, out = 10;  // out 0: no output projection
-  int G = 1, R = 2, K = 6;
-  bool bias = false;
-  bool use_pre = true, use_post = true, query_wise = true, key_wise = true, static_w = false;
-  bool causal = true;
-  long offset = 0;  // causal_offset
-  int window = 0;
-  bool gelu_tanh = false;
-  double pad_rate = 0;       // chance that each key is padded
-  bool pad_all_of_last = false;  // every key of the last batch item padded
-  double weight_gain = 1;    // scales q and k weights (bigger scores)
-  double dw_norm_eps = 1e-6;  // the W1 RMSNorm epsilon, given to the layer and the reference alike
-  Index block_rows = 0;
-  int threads = 1;
-
-  int M() const { return H / G; }
-  int out_dim() const { return out == 0 ? H * dv : out; }
-};
-
-std::string describe(const Config& c) {
-  std::ostringstream o;
-  o << "B=" << c.B << " T=" << c.T << " D=" << c.D << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
-    << " out=" << c.out << " G=" << c.G << " R=" << c.R << " K=" << c.K << " bias=" << c.bias << " pre=" << c.use_pre
-    << " post=" << c.use_post << " qw=" << c.query_wise << " kw=" << c.key_wise << " static=" << c.static_w
-    << " causal=" << c.causal << " offset=" << c.offset << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh
-    << " eps=" << c.dw_norm_eps
-    << " pad=" << c.pad_rate
-    << " block_rows=" << c.block_rows << " threads=" << c.threads;
-  return o.str();
-}
-
-template <class T>
-struct Problem {
-  Config c;
-  DcmhaWeights<T> w;
-  Matrix<T> x;                       // [B*T, D]
-  std::vector<std::uint8_t> padding;  // [B, T] or empty
-
-  DcmhaOptions options() const {
-    DcmhaOptions o;
-    o.num_heads = c.H;
-    o.groups = c.G;
-    o.rank = c.R;
-    o.use_pre = c.use_pre;
-    o.use_post = c.use_post;
-    o.query_wise = c.query_wise;
-    o.key_wise = c.key_wise;
-    o.static_w = c.static_w;
-    o.causal = c.causal;
-    o.causal_offset = c.offset;
-    o.window = c.window;
-    o.gelu = c.gelu_tanh ? headmix::DcmhaGelu::tanh : headmix::DcmhaGelu::erf;
-    o.dw_norm_eps = c.dw_norm_eps;
-    o.block_rows = c.block_rows;
-    o.threads = c.threads;
-    return o;
-  }
-  Dcmha<T> layer() const { return Dcmha<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(x.data(), c.B, c.T, c.D);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), c.B, c.T};
-    return in;
-  }
-  headmix_ref::RefDcmhaWeights ref_weights() const {
-    headmix_ref::RefDcmhaWeights r;
-    r.D = c.D, r.H = c.H, r.dk = c.dk, r.dv = c.dv, r.out = c.out, r.G = c.G, r.R = c.R, r.K = c.K;
-    r.wq = widen(w.q.weight), r.bq = widen(w.q.bias);
-    r.wk = widen(w.k.weight), r.bk = widen(w.k.bias);
-    r.wv = widen(w.v.weight), r.bv = widen(w.v.bias);
-    r.wo = widen(w.o.weight), r.bo = widen(w.o.bias);
-    r.dw1 = widen(w.dw1), r.qkw = widen(w.qkw), r.dd = widen(w.dd);
-    r.pre_w = widen(w.pre_w), r.post_w = widen(w.post_w);
-    return r;
-  }
-  headmix_ref::RefDcmhaOptions ref_options() const {
-    headmix_ref::RefDcmhaOptions o;
-    o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
-    o.static_w = c.static_w, o.causal = c.causal, o.causal_offset = c.offset, o.window = c.window;
-    o.gelu_tanh = c.gelu_tanh;
-    o.eps = c.dw_norm_eps;
-    return o;
-  }
-  headmix_ref::RefDcmhaResult reference() const {
-    return headmix_ref::dcmha_reference(ref_weights(), ref_options(), c.B, c.T, widen(x), padding);
-  }
-};
-
-// Weights scaled so that every branch changes the output by a lot: F and
-// the gates are O(1), so W1ᵀW2 and dd are comparable to the identity.
-template <class T>
-Problem<T> make_problem(const Config& c, unsigned seed) {
-  Rng rng(seed);
-  Problem<T> p;
-  p.c = c;
-  p.w.q = random_linear<T>(rng, c.H * c.dk, c.D, c.bias);
-  p.w.k = random_linear<T>(rng, c.H * c.dk, c.D, c.bias);
-  p.w.v = random_linear<T>(rng, c.H * c.dv, c.D, c.bias);
-  if (c.weight_gain != 1) {
-    p.w.q.weight *= static_cast<T>(c.weight_gain);
-    p.w.k.weight *= static_cast<T>(c.weight_gain);
-  }
-  if (c.out != 0) p.w.o = random_linear<T>(rng, c.out, c.H * c.dv, c.bias);
-  const int M = c.M();
-  p.w.dw1 = random_tensor<T>(rng, {c.D, c.G, 4, c.K}, 2.0 / std::sqrt(static_cast<double>(c.D)));
-  p.w.qkw = random_tensor<T>(rng, {c.G, 4, c.K, 2 * c.R, M}, 1.0 / std::sqrt(static_cast<double>(c.K)));
-  p.w.dd = random_tensor<T>(rng, {c.D, c.G, 4 * M}, 2.0 / std::sqrt(static_cast<double>(c.D)));
-  p.x = random_matrix<T>(rng, c.B * c.T, c.D, 1.0);
-  if (c.static_w) {  // drawn after x, so that toggling it keeps every other value
-    p.w.pre_w = random_tensor<T>(rng, {c.G, M, M}, 0.5);
-    p.w.post_w = random_tensor<T>(rng, {c.G, M, M}, 0.5);
-  }
-  if (c.pad_rate > 0 || c.pad_all_of_last) {
-    p.padding.assign(static_cast<std::size_t>(c.B) * c.T, 0);
-    for (int b = 0; b < c.B; ++b)
-      for (int t = 0; t < c.T; ++t)
-        p.padding[static_cast<std::size_t>(b) * c.T + t] =
-            (c.pad_all_of_last && b == c.B - 1) || uniform(rng, 0, 1) < c.pad_rate ? 1 : 0;
-  }
-  return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.c.B, p.c.T, p.c.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
-// Same shape and equal entries, NaN matching NaN. Unlike
-// headmix_test::bit_identical, +0 and -0 (and NaN payloads) count as equal.
-template <class T>
-::testing::AssertionResult equal_values(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
-  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
-  for (Index i = 0; i < a.size(); ++i)
-    if (!(a[i] == b[i]) && !(a[i] != a[i] && b[i] != b[i]))
-      return ::testing::AssertionFailure() << what << ": differ at " << i << ": " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
-}
-
-double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
-  double m = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
-  return m;
-}
-double max_abs(const std::vector<double>& a) {
-  double m = 0;
-  for (double v : a) m = std::max(m, std::abs(v));
-  return m;
-}
-
-// Compare output and weights with the reference.
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.c));
-  const auto want = p.reference();
-  const Result<T> got = run(p);
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.c.B, p.c.H, p.c.T, p.c.T}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
-}
+using namespace dcmha_case;  // Config/Problem/run/expect_matches_reference and the headmix names: cases/dcmha.hpp
 
 template <class T>
 class DcmhaTest : public ::testing::Test {};
@@ -513,108 +326,15 @@ TYPED_TEST(DcmhaTest, LargeScores) {
 }
 
 // ---------------------------------------------------------------------------
-// Threads, workspace, API forms
+// Accessors (threads, workspace and API forms: test_layer_contract.cpp)
 
-TYPED_TEST(DcmhaTest, ThreadsAreBitIdentical) {
-  Config c;
-  c.B = 3, c.T = 150, c.D = 16, c.H = 4, c.G = 2, c.static_w = true, c.block_rows = 7, c.pad_rate = 0.1;
-  const auto p1 = make_problem<TypeParam>(c, 60);
-  const Result<TypeParam> one = run(p1);
-  for (int threads : {2, 3}) {
-    auto p = p1;
-    p.c.threads = threads;
-    const Result<TypeParam> many = run(p);
-    EXPECT_TRUE(equal_values("output", one.out, many.out)) << threads;
-    EXPECT_TRUE(equal_values("probs", one.probs, many.probs)) << threads;
-  }
-  c.window = 5, c.pad_rate = 0, c.block_rows = 0;
-  const auto w1 = make_problem<TypeParam>(c, 61);
-  auto w3 = w1;
-  w3.c.threads = 3;
-  EXPECT_TRUE(equal_values("windowed output", run(w1).out, run(w3).out));
-}
-
-TYPED_TEST(DcmhaTest, WorkspaceReuse) {
-  headmix::Workspace<TypeParam> ws;
-  std::vector<Config> configs(3);
-  configs[0].T = 20, configs[0].H = 8, configs[0].G = 2;
-  configs[1].T = 5, configs[1].B = 1;
-  configs[2].T = 13, configs[2].static_w = true, configs[2].window = 3;
-  for (int round = 0; round < 2; ++round)
-    for (std::size_t i = 0; i < configs.size(); ++i) {
-      const auto p = make_problem<TypeParam>(configs[i], 70 + static_cast<unsigned>(i));
-      const Result<TypeParam> reused = run(p, ws), fresh = run(p);
-      EXPECT_TRUE(equal_values("output", reused.out, fresh.out));
-      EXPECT_TRUE(equal_values("probs", reused.probs, fresh.probs));
-    }
-}
-
-TYPED_TEST(DcmhaTest, ApiForms) {
+TYPED_TEST(DcmhaTest, Accessors) {
   Config c;
   c.B = 1, c.T = 6;
-  const auto p = make_problem<TypeParam>(c, 75);
-  const Result<TypeParam> expected = run(p);
-  const Dcmha<TypeParam> layer = p.layer();
-  headmix::Workspace<TypeParam> ws;
-  const Tensor<TypeParam> allocating = layer.forward(p.input(), ws);
-  EXPECT_TRUE(equal_values("allocating", allocating, expected.out));
-  const Matrix<TypeParam> single = layer.forward(p.x);
-  ASSERT_EQ(single.rows(), c.T);
-  ASSERT_EQ(single.cols(), c.out_dim());
-  for (Index i = 0; i < single.size(); ++i) EXPECT_EQ(single.data()[i], expected.out[i]);
-  // probs arriving with a stale shape are resized and fully written.
-  Tensor<TypeParam> probs({3});
-  layer.forward(p.input(), ws, &probs);
-  EXPECT_TRUE(equal_values("probs", probs, expected.probs));
+  const Dcmha<TypeParam> layer = make_problem<TypeParam>(c, 75).layer();
   EXPECT_EQ(layer.group_heads(), c.H);
   EXPECT_EQ(layer.dw_hidden_dim(), c.K);
   EXPECT_EQ(layer.rank(), c.R);
-}
-
-TYPED_TEST(DcmhaTest, SetOptions) {
-  Config c;
-  auto p = make_problem<TypeParam>(c, 76);
-  Dcmha<TypeParam> layer = p.layer();
-  Config changed = c;
-  changed.use_pre = false, changed.window = 3, changed.threads = 2, changed.block_rows = 2;
-  p.c = changed;
-  layer.set_options(p.options());
-  headmix::Workspace<TypeParam> ws;
-  const Tensor<TypeParam> out = layer.forward(p.input(), ws);
-  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<TypeParam>()));
-  // An invalid change throws and leaves the layer as it was.
-  DcmhaOptions bad = layer.options();
-  bad.groups = 3;
-  EXPECT_THROW(layer.set_options(bad), headmix::shape_error);
-  EXPECT_EQ(layer.options().groups, 1);
-  EXPECT_TRUE(equal_values("after failed set_options", layer.forward(p.input(), ws), out));
-}
-
-// flops() equals the multiply-adds the naive algorithm performs, by kind.
-TYPED_TEST(DcmhaTest, FlopsEqualReferenceCount) {
-  std::vector<Config> configs(10);
-  configs[1].causal = false, configs[1].static_w = true, configs[1].out = 0;
-  configs[2].window = 3, configs[2].T = 9, configs[2].G = 2, configs[2].R = 1;
-  configs[3].use_pre = false, configs[3].key_wise = false, configs[3].bias = true;
-  configs[4].use_post = false, configs[4].query_wise = false, configs[4].static_w = true, configs[4].dk = 5;
-  configs[5].use_pre = configs[5].use_post = false;
-  configs[6].H = 6, configs[6].G = 3, configs[6].R = 3, configs[6].K = 4, configs[6].pad_rate = 0.3, configs[6].B = 1;
-  configs[7].T = 1, configs[7].query_wise = configs[7].key_wise = false;
-  configs[8].offset = -2, configs[8].window = 3;  // only the pairs the offset and window leave
-  configs[9].offset = 3, configs[9].T = 9, configs[9].G = 2, configs[9].static_w = true;
-  for (std::size_t i = 0; i < configs.size(); ++i) {
-    const auto p = make_problem<TypeParam>(configs[i], 80 + static_cast<unsigned>(i));
-    SCOPED_TRACE(describe(p.c));
-    const auto want = p.reference();
-    const headmix::DcmhaFlops got = p.layer().flop_breakdown(p.c.B, p.c.T, p.c.T);
-    EXPECT_EQ(got.projection_macs, want.projection_macs);
-    EXPECT_EQ(got.dynamic_macs, want.dynamic_macs);
-    EXPECT_EQ(got.score_macs, want.score_macs);
-    EXPECT_EQ(got.compose_macs, want.compose_macs);
-    const headmix::FlopCount total = p.layer().flops(p.c.B, p.c.T, p.c.T);
-    EXPECT_EQ(total.macs(),
-              want.projection_macs + want.dynamic_macs + want.score_macs + want.compose_macs);
-  }
 }
 
 // ---------------------------------------------------------------------------
@@ -889,13 +609,13 @@ TYPED_TEST(DcmhaTest, StepFlopsAreLinearInCacheLength) {
   Config c;
   const auto p = make_problem<TypeParam>(c, 103);
   const Dcmha<TypeParam> layer = p.layer();
-  const auto a = layer.flop_breakdown(1, 1, 100), b = layer.flop_breakdown(1, 1, 200);
+  const auto a = layer.step_flop_breakdown(1, 1, 99), b = layer.step_flop_breakdown(1, 1, 199);
   EXPECT_EQ(2 * a.score_macs, b.score_macs);
   EXPECT_EQ(2 * a.compose_macs, b.compose_macs);
   EXPECT_EQ(a.dynamic_macs, b.dynamic_macs);
   c.window = 16;
   const Dcmha<TypeParam> windowed = make_problem<TypeParam>(c, 103).layer();
-  EXPECT_EQ(windowed.flop_breakdown(1, 1, 100).score_macs, windowed.flop_breakdown(1, 1, 1000).score_macs);
+  EXPECT_EQ(windowed.step_flop_breakdown(1, 1, 99).score_macs, windowed.step_flop_breakdown(1, 1, 999).score_macs);
 }
 
 // ---------------------------------------------------------------------------
@@ -1104,10 +824,10 @@ TEST_F(DcmhaBadInput, QueryWidth) {
   in.query = headmix::ConstBatchView<double>(p.x.data(), B, T, D - 1);
   EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
 }
-TEST_F(DcmhaBadInput, KeyGiven) {
+TEST_F(DcmhaBadInput, KeyWidth) {
   auto in = p.input();
-  in.key = headmix::ConstBatchView<double>(p.x.data(), B, T, D);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected none (DCMHA is self-attention", "got [2, 5, 16]");
+  in.key = headmix::ConstBatchView<double>(p.x.data(), B, T, D - 1);
+  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 5, 16]", "got [2, 5, 15]");
 }
 TEST_F(DcmhaBadInput, KeyPaddingMaskShape) {
   auto in = p.input();
@@ -1163,6 +883,273 @@ TEST_F(DcmhaBadInput, StepCacheOfAnotherLayer) {
   other.layer().step(headmix::ConstBatchView<double>(other.x.data(), B, 1, D), cache, ws);
   EXPECT_SHAPE_ERROR(p.layer().step(headmix::ConstBatchView<double>(p.x.data(), B, 1, D), cache, ws),
                      "cache stream widths", "expected [12, 8,", "got [12, 12,");
+}
+
+// ---------------------------------------------------------------------------
+// Separate key sequence (issue 17: the forward sequence parallelism needs).
+// Queries are rows [q0, q0 + T) and keys rows [k0, k0 + S) of each sequence
+// of a problem's x; the reference gets exactly those rows (and the key
+// padding of the key rows). The query rows are never the key rows, so
+// factors taken from the wrong side (query-wise from the key rows or the
+// reverse) change the result.
+
+/// Which rows of a problem's sequences are queries and keys, and the
+/// layer's K/V heads (0: num_heads).
+struct KeyRows {
+  Index q0, T, k0, S;
+  Index kv_heads = 0;
+};
+
+// Rows [first, first + n) of every sequence of p.x, as [B·n, D].
+template <class T>
+Matrix<T> sequence_rows(const Problem<T>& p, Index first, Index n) {
+  Matrix<T> r(p.c.B * n, p.c.D);
+  for (Index b = 0; b < p.c.B; ++b) r.middleRows(b * n, n) = p.x.middleRows(b * p.c.T + first, n);
+  return r;
+}
+
+// p's weights with K and V cut to `kv` heads (the first kv·dk / kv·dv rows)
+// for the layer, and the same heads repeated for the reference, which has
+// one K/V head per query head: head h reads KV head h / (H / kv).
+template <class T>
+void cut_kv_heads(const Problem<T>& p, Index kv, DcmhaWeights<T>& w, headmix_ref::RefDcmhaWeights& ref) {
+  const Index H = p.c.H, per = H / kv;
+  const auto cut = [&](const headmix::Linear<T>& full, Index width, headmix::Linear<T>& layer_lin,
+                       std::vector<double>& ref_w, std::vector<double>& ref_b) {
+    layer_lin.weight = full.weight.topRows(kv * width);
+    if (full.bias.size() > 0) layer_lin.bias = full.bias.head(kv * width);
+    Matrix<T> wide(H * width, full.weight.cols());
+    for (Index h = 0; h < H; ++h) wide.middleRows(h * width, width) = full.weight.middleRows(h / per * width, width);
+    ref_w = widen(wide);
+    if (full.bias.size() > 0) {
+      ref_b.clear();
+      for (Index h = 0; h < H; ++h)
+        for (Index e = 0; e < width; ++e) ref_b.push_back(static_cast<double>(full.bias[h / per * width + e]));
+    }
+  };
+  cut(p.w.k, p.c.dk, w.k, ref.wk, ref.bk);
+  cut(p.w.v, p.c.dv, w.v, ref.wv, ref.bv);
+}
+
+// The rows `r` of p's sequences, the padding of the key rows, and the
+// layer's forward on them.
+template <class T>
+struct KeyInput {
+  Index B, T_, S, D;
+  Matrix<T> xq, xk;
+  std::vector<std::uint8_t> padding;  // [B, S] or empty
+
+  KeyInput(const Problem<T>& p, const KeyRows& r)
+      : B(p.c.B), T_(r.T), S(r.S), D(p.c.D), xq(sequence_rows(p, r.q0, r.T)), xk(sequence_rows(p, r.k0, r.S)) {
+    for (Index b = 0; b < B && !p.padding.empty(); ++b)
+      for (Index s = 0; s < S; ++s) padding.push_back(p.padding[static_cast<std::size_t>(b * p.c.T + r.k0 + s)]);
+  }
+  Result<T> forward(const Dcmha<T>& layer) const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(xq.data(), B, T_, D);
+    in.key = headmix::ConstBatchView<T>(xk.data(), B, S, D);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), B, S};
+    Result<T> r;
+    r.out = Tensor<T>({B, T_, layer.out_dim()});
+    headmix::Workspace<T> ws;
+    layer.forward(in, r.out.batch(), ws, &r.probs);
+    return r;
+  }
+};
+
+// The layer on p's options and the rows `r` against the reference.
+template <class T>
+void expect_keys_match_reference(const Problem<T>& p, const KeyRows& r, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.c) + " queries [" + std::to_string(r.q0) + ", +" + std::to_string(r.T) + ") keys [" +
+               std::to_string(r.k0) + ", +" + std::to_string(r.S) + ") kv_heads=" + std::to_string(r.kv_heads));
+  DcmhaWeights<T> w = p.w;
+  auto ref_w = p.ref_weights();
+  DcmhaOptions o = p.options();
+  if (r.kv_heads > 0) cut_kv_heads(p, r.kv_heads, w, ref_w), o.num_kv_heads = r.kv_heads;
+  const KeyInput<T> x(p, r);
+  const Result<T> got = x.forward(Dcmha<T>(w, o));
+
+  const auto want = headmix_ref::dcmha_reference(ref_w, p.ref_options(), p.c.B, static_cast<int>(r.T), widen(x.xq),
+                                                  static_cast<int>(r.S), widen(x.xk), x.padding);
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.c.B, p.c.H, r.T, r.S}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+}
+
+TYPED_TEST(DcmhaTest, SeparateKeysMatchReference) {
+  Config base;
+  base.T = 14;
+  unsigned seed = 700;
+  struct Case {
+    const char* what;
+    KeyRows rows;
+    void (*adjust)(Config&);
+  };
+  const Case cases[] = {
+      {"non-causal, more keys", {2, 5, 4, 9}, [](Config& c) { c.causal = false; }},
+      {"non-causal, fewer keys than queries", {0, 7, 8, 4}, [](Config& c) { c.causal = false, c.static_w = true; }},
+      {"non-causal, as many keys, other rows", {0, 6, 7, 6}, [](Config& c) { c.causal = false, c.G = 2; }},
+      {"causal, offset", {6, 4, 0, 10}, [](Config& c) { c.offset = 6; }},
+      {"causal, negative offset", {3, 6, 5, 7}, [](Config& c) { c.offset = -1, c.block_rows = 2; }},
+      {"causal, offset and window", {5, 5, 1, 9}, [](Config& c) { c.offset = 4, c.window = 3, c.G = 2; }},
+      {"key padding", {4, 5, 0, 9}, [](Config& c) { c.offset = 4, c.pad_rate = 0.3, c.static_w = true; }},
+      {"non-causal key padding", {9, 5, 0, 8}, [](Config& c) { c.causal = false, c.pad_rate = 0.4; }},
+      {"grouped-query K/V", {4, 6, 0, 10, 2}, [](Config& c) { c.offset = 4, c.G = 2, c.bias = true; }},
+      {"multi-query K/V", {0, 5, 5, 9, 1}, [](Config& c) { c.causal = false, c.static_w = true; }},
+      {"no pre-compose", {6, 4, 0, 10}, [](Config& c) { c.offset = 6, c.use_pre = false; }},
+      {"no post-compose", {6, 4, 0, 10}, [](Config& c) { c.offset = 6, c.use_post = false; }},
+      {"no query-wise terms", {6, 4, 0, 10}, [](Config& c) { c.offset = 6, c.query_wise = false; }},
+      {"no key-wise terms", {6, 4, 0, 10}, [](Config& c) { c.offset = 6, c.key_wise = false; }},
+      {"three threads, rank 3", {3, 8, 2, 12}, [](Config& c) { c.causal = false, c.threads = 3, c.R = 3; }},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    Config c = base;
+    k.adjust(c);
+    expect_keys_match_reference(make_problem<TypeParam>(c, seed++), k.rows);
+  }
+}
+
+// The row split sequence parallelism relies on: rows [g, g + n) of the
+// causal self-attention equal forward(queries = x[g, g + n), keys =
+// x[0, g + n), causal_offset = g), both held to the reference of the whole
+// sequence (with a window, padding and groups too).
+TYPED_TEST(DcmhaTest, CausalRowsEqualOffsetForwardOverPrefix) {
+  unsigned seed = 730;
+  for (int variant = 0; variant < 3; ++variant) {
+    Config c;
+    c.T = 11;
+    if (variant == 1) c.window = 3, c.pad_rate = 0.3, c.G = 2;
+    if (variant == 2) c.static_w = true, c.block_rows = 2, c.threads = 2;
+    const auto p = make_problem<TypeParam>(c, seed++);
+    SCOPED_TRACE(describe(c));
+    const auto full = p.reference();
+    const Index B = c.B, H = c.H, T = c.T, W = c.out_dim();
+    for (const auto& [g, n] : {std::pair<Index, Index>{0, 4}, {4, 3}, {7, 4}, {10, 1}}) {
+      SCOPED_TRACE("rows " + std::to_string(g) + " + " + std::to_string(n));
+      DcmhaOptions o = p.options();
+      o.causal_offset = g;
+      const Result<TypeParam> got = KeyInput<TypeParam>(p, KeyRows{g, n, 0, g + n}).forward(Dcmha<TypeParam>(p.w, o));
+      std::vector<double> want_out, want_probs;
+      for (Index b = 0; b < B; ++b)
+        for (Index t = g; t < g + n; ++t)
+          for (Index e = 0; e < W; ++e) want_out.push_back(full.output[static_cast<std::size_t>((b * T + t) * W + e)]);
+      for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < H; ++h)
+          for (Index t = g; t < g + n; ++t)
+            for (Index s = 0; s < g + n; ++s) want_probs.push_back(full.prob_at(b, h, t, s));
+      EXPECT_TRUE(all_close("output rows", got.out, want_out, default_tolerance<TypeParam>()));
+      EXPECT_TRUE(all_close("probs rows", got.probs, want_probs, default_tolerance<TypeParam>()));
+    }
+  }
+}
+
+// flops(B, T, S) is one forward of T queries against S keys: equal to the
+// reference's multiply-adds for separate keys, with an offset and a window.
+TYPED_TEST(DcmhaTest, SeparateKeysFlopsEqualReferenceCount) {
+  std::vector<std::pair<Config, KeyRows>> cases(3);
+  cases[0].first.causal = false;
+  cases[0].second = {0, 7, 7, 4};  // fewer keys than queries
+  cases[1].first.offset = 5, cases[1].first.window = 3, cases[1].first.G = 2;
+  cases[1].second = {5, 4, 0, 9};
+  cases[2].first.offset = 2, cases[2].first.static_w = true, cases[2].first.key_wise = false;
+  cases[2].second = {3, 5, 1, 7};
+  unsigned seed = 740;
+  for (auto& [c, r] : cases) {
+    c.T = 14;
+    const auto p = make_problem<TypeParam>(c, seed++);
+    SCOPED_TRACE(describe(c));
+    const KeyInput<TypeParam> x(p, r);
+    const auto want = headmix_ref::dcmha_reference(p.ref_weights(), p.ref_options(), c.B, static_cast<int>(r.T),
+                                                   widen(x.xq), static_cast<int>(r.S), widen(x.xk));
+    const headmix::DcmhaFlops got = p.layer().flop_breakdown(c.B, r.T, r.S);
+    EXPECT_EQ(got.projection_macs, want.projection_macs);
+    EXPECT_EQ(got.dynamic_macs, want.dynamic_macs);
+    EXPECT_EQ(got.score_macs, want.score_macs);
+    EXPECT_EQ(got.compose_macs, want.compose_macs);
+  }
+}
+
+}  // namespace
+
+// ---- Compose kernels: the fast one against the reference one ---------------
+// detail::compose_lines (cache lines, rank projections in registers) and
+// detail::compose_generic (plain loops, any R) on one row segment, both
+// held to the Compose formula evaluated here in double.
+
+namespace {
+
+template <class T>
+class DcmhaComposeKernels : public ::testing::Test {};
+TYPED_TEST_SUITE(DcmhaComposeKernels, Scalars);
+
+TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
+  using T = TypeParam;
+  std::mt19937 rng(42);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  const Index M = 3, plane_pad = 5;
+  for (Index R : {1, 2, 3})
+    for (Index len : {7, 37, 300})
+      for (int flags = 0; flags < 16; ++flags) {
+        const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, accumulate = (flags & 8) || static_loop;
+        const Index RM = R * M, plane = len + plane_pad, rs = len + 3;
+        auto random = [&](Index n) {
+          std::vector<T> v(static_cast<std::size_t>(n));
+          for (T& e : v) e = static_cast<T>(nd(rng));
+          return v;
+        };
+        const std::vector<T> z = random(M * plane), qf = random((2 * R + 1) * M), kf = random((2 * R + 1) * M * rs);
+        const std::vector<T> before = random(M * plane);
+        headmix::Matrix<T> mix(M, M);
+        for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
+        const T identity = accumulate ? T(0) : T(1);
+        std::vector<T> scratch(static_cast<std::size_t>((M + 2 * R) * headmix::detail::compose_chunk<T>));
+
+        // The formula, in double.
+        std::vector<double> expect(static_cast<std::size_t>(M * plane));
+        for (Index x = 0; x < len; ++x) {
+          auto zm = [&](Index m) { return double(z[m * plane + x]); };
+          auto kfr = [&](Index j) { return double(kf[j * rs + x]); };
+          for (Index n = 0; n < M; ++n) {
+            double o = 0;
+            if (static_loop)
+              for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
+            else if (accumulate)
+              o = before[n * plane + x];
+            double diag = identity + (qw ? qf[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
+            o += diag * zm(n);
+            for (Index i = 0; i < R; ++i) {
+              double a = 0, b = 0;
+              for (Index m = 0; m < M; ++m) {
+                if (qw) a += double(qf[i * M + m]) * zm(m);
+                if (kw) b += kfr(i * M + m) * zm(m);
+              }
+              if (qw) o += double(qf[RM + i * M + n]) * a;
+              if (kw) o += kfr(RM + i * M + n) * b;
+            }
+            expect[n * plane + x] = o;
+          }
+        }
+        for (bool generic_only : {false, true}) {
+          std::vector<T> out = before;
+          const headmix::detail::ComposeSegment<T> s{z.data(), out.data(), plane, qw ? qf.data() : nullptr,
+                                                     kw ? kf.data() : nullptr, rs, &mix, M, R, static_loop,
+                                                     accumulate, identity, scratch.data()};
+          headmix::detail::compose_segment(s, len, generic_only);
+          const double tol = std::is_same_v<T, float> ? 2e-5 : 1e-13;
+          for (Index n = 0; n < M; ++n)
+            for (Index x = 0; x < plane; ++x) {
+              const std::size_t i = static_cast<std::size_t>(n * plane + x);
+              if (x >= len) {  // past the segment: untouched
+                ASSERT_EQ(out[i], before[i]) << "wrote past the segment";
+                continue;
+              }
+              ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
+                  << (generic_only ? "reference" : "fast") << " kernel, R " << R << " len " << len << " flags "
+                  << flags << " head " << n << " column " << x;
+            }
+        }
+      }
 }
 
 }  // namespace

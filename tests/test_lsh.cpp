@@ -24,6 +24,7 @@
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
 #include "reference/lsh_reference.hpp"
+#include "cases/lsh.hpp"
 
 #include <gtest/gtest.h>
 
@@ -45,181 +46,7 @@ using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
 
-// ---------------------------------------------------------------------------
-// Random problems
-
-/// One test problem, the weights distributed as in lsh.md section 9.
-struct Shape {
-  int B = 2, T = 16, D = 16, H = 2, dh = 8, dv = 8, out = 12;
-  int bs = 4, NH = 2, NB = 0;
-  bool causal = false, across = true, dup = true, per_head = false;
-  bool qkv_bias = false;  // biases on qk and v (the reference has none)
-  bool out_proj = true, out_bias = true;
-  double pad_rate = 0;    // chance that each position is key-padded
-  int threads = 1;
-
-  int out_dim() const { return out_proj ? out : H * dv; }
-  int Tp() const { return (T + 2 * bs - 1) / (2 * bs) * (2 * bs); }
-  int n_buckets() const { return NB > 0 ? NB : Tp() / bs; }
-};
-
-std::string describe(const Shape& s) {
-  std::ostringstream o;
-  o << "B=" << s.B << " T=" << s.T << " (Tp=" << s.Tp() << ") D=" << s.D << " H=" << s.H << " dh=" << s.dh
-    << " dv=" << s.dv << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " bs=" << s.bs
-    << " NH=" << s.NH << " NB=" << s.n_buckets() << " causal=" << s.causal << " across=" << s.across
-    << " dup=" << s.dup << " per_head=" << s.per_head << " qkv_bias=" << s.qkv_bias << " pad_rate=" << s.pad_rate
-    << " threads=" << s.threads;
-  return o.str();
-}
-
-template <class T>
-headmix_ref::LshRefLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::LshRefLinear>(lin);
-}
-
-template <class T>
-struct Problem {
-  Shape s;
-  headmix::LshWeights<T> w;          // with explicit rotations
-  Matrix<T> x;                       // [B*T, D]
-  std::vector<std::uint8_t> padding;  // [B, T] or empty
-
-  headmix::LshOptions options() const {
-    headmix::LshOptions o;
-    o.num_heads = s.H;
-    o.bucket_size = s.bs;
-    o.n_hashes = s.NH;
-    o.n_buckets = s.NB;
-    o.causal = s.causal;
-    o.attend_across_buckets = s.across;
-    o.allow_duplicate_attention = s.dup;
-    o.rotations_per_head = s.per_head;
-    o.threads = s.threads;
-    return o;
-  }
-  headmix::Lsh<T> layer() const { return headmix::Lsh<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(x.data(), s.B, s.T, s.D);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.T};
-    return in;
-  }
-  headmix_ref::LshRefWeights ref_weights() const {
-    return {to_ref(w.qk), to_ref(w.v), to_ref(w.o), widen(w.rotations.data(), w.rotations.size())};
-  }
-  headmix_ref::LshRefOptions ref_options() const {
-    headmix_ref::LshRefOptions o;
-    o.num_heads = s.H;
-    o.bucket_size = s.bs;
-    o.n_hashes = s.NH;
-    o.n_buckets = s.NB;
-    o.causal = s.causal;
-    o.attend_across_buckets = s.across;
-    o.allow_duplicate_attention = s.dup;
-    o.rotations_per_head = s.per_head;
-    return o;
-  }
-  headmix_ref::LshRefResult reference(bool hash_only = false, bool per_round_count = false) const {
-    auto o = ref_options();
-    o.per_round_duplicate_count = per_round_count;
-    return headmix_ref::lsh_reference(ref_weights(), o, s.B, s.T, s.D, widen(x.data(), x.size()), padding,
-                                      hash_only);
-  }
-  headmix_ref::LshRefResult full_reference() const {
-    return headmix_ref::full_shared_qk_reference(ref_weights(), ref_options(), s.B, s.T, s.D,
-                                                 widen(x.data(), x.size()), padding);
-  }
-};
-
-template <class T>
-constexpr double kHashMargin = std::is_same_v<T, float> ? 1e-5 : 1e-10;
-
-template <class T>
-Tensor<T> random_rotations(Rng& rng, const Shape& s) {
-  Tensor<T> rot({s.per_head ? s.B * s.H : 1, s.dh, s.NH, s.n_buckets() / 2});
-  std::normal_distribution<double> n(0.0, 1.0);
-  for (Index i = 0; i < rot.size(); ++i) rot[i] = static_cast<T>(n(rng));
-  return rot;
-}
-
-template <class T>
-Problem<T> make_problem(const Shape& s, unsigned seed) {
-  Rng rng(seed);
-  Problem<T> p;
-  p.s = s;
-  p.w.qk.weight = normal_matrix<T>(rng, s.H * s.dh, s.D, 1.5 / std::sqrt(double(s.D)));
-  p.w.v.weight = normal_matrix<T>(rng, s.H * s.dv, s.D, 1.0 / std::sqrt(double(s.D)));
-  if (s.qkv_bias) {
-    p.w.qk.bias = normal_matrix<T>(rng, s.H * s.dh, 1, 0.5);
-    p.w.v.bias = normal_matrix<T>(rng, s.H * s.dv, 1, 0.5);
-  }
-  if (s.out_proj) {
-    p.w.o.weight = normal_matrix<T>(rng, s.out, s.H * s.dv, 1.0 / std::sqrt(double(s.H * s.dv)));
-    if (s.out_bias) p.w.o.bias = normal_matrix<T>(rng, s.out, 1, 0.1);
-  }
-  p.x = normal_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.T);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
-  for (int attempt = 0;; ++attempt) {  // see the file comment
-    p.w.rotations = random_rotations<T>(rng, s);
-    const double margin = p.reference(true).min_hash_margin;
-    if (margin >= kHashMargin<T>) break;
-    if (attempt == 200) throw std::runtime_error("make_problem: no rotation with a safe hash margin");
-  }
-  return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws, bool with_probs = true) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, with_probs ? &r.probs : nullptr);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p, bool with_probs = true) {
-  headmix::Workspace<T> ws;
-  return run(p, ws, with_probs);
-}
-
-template <class T>
-::testing::AssertionResult same_buckets(const Problem<T>& p, const headmix_ref::LshRefResult& want) {
-  headmix::Workspace<T> ws;
-  const Tensor<std::int64_t> got = p.layer().buckets(p.input(), ws);
-  const std::vector<Index> shape{p.s.B, p.s.H, p.s.NH, p.s.Tp()};
-  if (got.shape() != shape) return ::testing::AssertionFailure() << "buckets shape differs";
-  for (Index i = 0; i < got.size(); ++i)
-    if (got[i] != want.buckets[static_cast<std::size_t>(i)])
-      return ::testing::AssertionFailure() << "bucket " << i << ": got " << got[i] << ", want "
-                                           << want.buckets[static_cast<std::size_t>(i)];
-  return ::testing::AssertionSuccess();
-}
-
-/// Buckets, output and dense weights against the reference.
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const headmix_ref::LshRefResult want = p.reference();
-  ASSERT_TRUE(same_buckets(p, want));
-  const Result<T> got = run(p);
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.T}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
-  const Result<T> without_probs = run(p, false);  // the path that keeps no tiles
-  EXPECT_TRUE(all_close("output without probs", without_probs.out, want.output, tol));
-}
+using namespace lsh_case;  // Shape/Problem/run/expect_matches_reference: cases/lsh.hpp
 
 template <class T>
 class LshTest : public ::testing::Test {};
@@ -455,33 +282,8 @@ TYPED_TEST(LshTest, ProbsAreTheEffectiveWeights) {
 }
 
 // ---------------------------------------------------------------------------
-// Threads, workspace, rotations from a seed, entry points
-
-// (batch, head) tasks are the unit of work; their arithmetic does not depend
-// on the worker, so neither may a bit of the result.
-TYPED_TEST(LshTest, ThreadCountDoesNotChangeBits) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(2);
-  shapes[0].B = 3, shapes[0].H = 2, shapes[0].T = 30, shapes[0].NH = 3, shapes[0].causal = true,
-  shapes[0].pad_rate = 0.2, shapes[0].per_head = true;
-  shapes[1].B = 2, shapes[1].H = 3, shapes[1].T = 300, shapes[1].bs = 8, shapes[1].NH = 2, shapes[1].dup = false;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    auto p = make_problem<T>(shapes[n], 170 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    for (bool seeded : {false, true}) {
-      auto q = p;
-      if (seeded) q.w.rotations = Tensor<T>();  // per-head rotations drawn inside the tasks
-      const Result<T> one = run(q);
-      for (int threads : {2, 3}) {
-        q.s.threads = threads;
-        const Result<T> many = run(q);
-        EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads, seeded " << seeded;
-        EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads, seeded " << seeded;
-      }
-    }
-    if (n == 0) expect_matches_reference(p);
-  }
-}
+// Scale, rotations from a seed, workspace growth (the generic contract tests:
+// test_layer_contract.cpp)
 
 // `scale` multiplies the logits q · k̂ and nothing else: with scale
 // c / sqrt(dh) the layer is the default layer on qk weights times c (the
@@ -502,29 +304,6 @@ TYPED_TEST(LshTest, ScaleMultipliesTheLogits) {
   EXPECT_TRUE(all_close("output", headmix::Lsh<T>(p.w, o).forward(p.input(), ws), widen(want), default_tolerance<T>()));
   EXPECT_FALSE(all_close("output", p.layer().forward(p.input(), ws), widen(want), default_tolerance<T>()))
       << "the unscaled layer should differ";
-}
-
-// One Workspace through calls of growing, shrinking and differently shaped
-// problems gives what a fresh one gives, bit for bit.
-TYPED_TEST(LshTest, WorkspaceReusedAcrossShapes) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(4);
-  shapes[0].B = 3, shapes[0].T = 40, shapes[0].NH = 3, shapes[0].pad_rate = 0.3, shapes[0].dup = false;
-  shapes[1].B = 1, shapes[1].T = 5, shapes[1].H = 1, shapes[1].dh = 3, shapes[1].dv = 2;
-  shapes[2].T = 20, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].across = false;
-  shapes[3].B = 2, shapes[3].T = 64, shapes[3].bs = 8, shapes[3].NH = 4, shapes[3].out_proj = false;
-  headmix::Workspace<T> ws;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<T>(shapes[n], 180 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    for (bool with_probs : {true, false}) {
-      const Result<T> reused = run(p, ws, with_probs);
-      const Result<T> fresh = run(p, with_probs);
-      EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
-      EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
-    }
-    EXPECT_TRUE(all_close("output", run(p, ws).out, p.reference().output, default_tolerance<T>()));
-  }
 }
 
 // A seeded layer uses exactly lsh_rotations(seed, ...) (shared, or one per
@@ -552,79 +331,6 @@ TYPED_TEST(LshTest, SeededRotationsAreThePublicOnes) {
     double diff = 0;
     for (Index i = 0; i < a.size(); ++i) diff = std::max(diff, std::abs(double(a[i]) - double(c[i])));
     EXPECT_GT(diff, 1e-3) << "another seed should hash differently";
-  }
-}
-
-TYPED_TEST(LshTest, ProbsOutputResizedAndFullyWritten) {
-  using T = TypeParam;
-  Shape s;
-  s.T = 18, s.NH = 2, s.causal = true, s.pad_rate = 0.2;
-  const auto p = make_problem<T>(s, 200);
-  const headmix_ref::LshRefResult want = p.reference();
-  for (const std::vector<Index>& stale : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
-    Tensor<T> probs(stale);
-    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
-    Tensor<T> out({s.B, s.T, s.out});
-    headmix::Workspace<T> ws;
-    p.layer().forward(p.input(), out.batch(), ws, &probs);
-    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.H, s.T, s.T}));
-    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
-  }
-}
-
-TYPED_TEST(LshTest, AllocatingAndSingleSequenceForward) {
-  using T = TypeParam;
-  Shape s;
-  s.B = 1, s.T = 21, s.NH = 2, s.out = 5;
-  const auto p = make_problem<T>(s, 210);
-  const Result<T> expected = run(p);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
-  EXPECT_TRUE(bit_identical("allocating output", out, expected.out));
-  EXPECT_TRUE(bit_identical("allocating probs", probs, expected.probs));
-  const Matrix<T> y = p.layer().forward(p.x);
-  ASSERT_EQ(y.rows(), s.T);
-  ASSERT_EQ(y.cols(), s.out);
-  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], expected.out[i]) << i;
-  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
-}
-
-// options() may change masking, rounds, threads between calls.
-TYPED_TEST(LshTest, OptionsChangedBetweenCalls) {
-  using T = TypeParam;
-  Shape s;
-  s.T = 24, s.NH = 2, s.pad_rate = 0.2;
-  auto p = make_problem<T>(s, 220);
-  headmix::Lsh<T> layer = p.layer();
-  headmix::Workspace<T> ws;
-  for (int step = 0; step < 3; ++step) {
-    p.s.causal = step > 0, p.s.across = step != 1, p.s.dup = step != 2, p.s.threads = 1 + step;
-    layer.set_options(p.options());
-    Tensor<T> out({s.B, s.T, s.out});
-    layer.forward(p.input(), out.batch(), ws);
-    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
-  }
-}
-
-// flops() equals the multiply-adds of the naive algorithm: projections of
-// the T real rows, then per head key norms and hashing of all Tp positions,
-// (dh + dv) per slot of every row's 2·bs window, and NH·dv per real
-// position to merge the rounds.
-TYPED_TEST(LshTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(5);
-  shapes[0].T = 16, shapes[0].NH = 1;
-  shapes[1].T = 13, shapes[1].NH = 3, shapes[1].causal = true, shapes[1].out_proj = false;
-  shapes[2].T = 20, shapes[2].NB = 6, shapes[2].dh = 5, shapes[2].dv = 3, shapes[2].dup = false, shapes[2].pad_rate = 0.3;
-  shapes[3].B = 3, shapes[3].T = 3, shapes[3].H = 3, shapes[3].bs = 2, shapes[3].across = false, shapes[3].per_head = true;
-  shapes[4].B = 1, shapes[4].T = 40, shapes[4].bs = 8, shapes[4].NH = 2, shapes[4].out_bias = false;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<TypeParam>(shapes[n], 230 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const headmix_ref::LshRefResult want = p.reference();
-    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.T);
-    EXPECT_EQ(got.projection_macs, want.projection_macs);
-    EXPECT_EQ(got.attention_macs, want.attention_macs);
   }
 }
 
@@ -1023,6 +729,139 @@ TEST_F(BadInput, SetOptionsChecksAndKeepsTheOldOptions) {
 TEST_F(BadInput, FlopsForCrossLengths) {
   headmix::Lsh<double> layer(w, opt);
   EXPECT_SHAPE_ERROR(layer.flops(B, T, T + 1), "keys", "expected 16 (self-attention: S == T)", "got 17");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// forward_rows(first, count): the query rows [first, first + count) of the
+// whole sequence (what one rank of SequenceParallelLsh computes). Each
+// range's rows against the naive reference; the range [0, T) is forward()
+// bit for bit (the same tiles); other ranges are measured against
+// forward()'s rows (only the tile GEMMs' row count differs) and the count
+// of bit-identical ranges is printed. flops_rows over a partition adds up
+// to flops() plus, per extra part, the hashing every part repeats.
+namespace {
+
+template <class T>
+class LshRowsTest : public ::testing::Test {};
+using LshRowsTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(LshRowsTest, LshRowsTypes);
+
+TYPED_TEST(LshRowsTest, ForwardRowsAreTheWholeForwardsRows) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(3);
+  for (Shape& s : shapes) s.dh = 16, s.dv = 16;  // tiles of every row count on Eigen's GEMM (no lazy product)
+  shapes[0].T = 23, shapes[0].NH = 3, shapes[0].causal = true, shapes[0].pad_rate = 0.2;
+  shapes[1].T = 20, shapes[1].dup = false, shapes[1].across = false, shapes[1].NH = 2, shapes[1].threads = 2;
+  shapes[2].T = 18, shapes[2].per_head = true, shapes[2].qkv_bias = true, shapes[2].out_proj = false;
+  int ranges = 0, identical = 0;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const Problem<T> p = make_problem<T>(shapes[n], 150 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const headmix::Lsh<T> layer = p.layer();
+    const Index B = p.s.B, T_ = p.s.T, W = p.s.out_dim();
+    const std::vector<double> want = p.reference().output;  // [B, T, W]
+    headmix::Workspace<T> ws;
+    const Tensor<T> whole = layer.forward(p.input(), ws);
+    const std::vector<std::vector<Index>> partitions = {{0, T_}, {0, 7, 8, T_}, {0, 0, T_ - 1, T_}, {0, 5, 11, 17, T_}};
+    for (const auto& cuts : partitions) {
+      long long attention = 0, parts = 0;
+      for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+        const Index first = cuts[k], count = cuts[k + 1] - first;
+        SCOPED_TRACE("rows " + std::to_string(first) + " + " + std::to_string(count));
+        Tensor<T> got({B, count, W}), rows({B, count, W});
+        layer.forward_rows(p.input(), first, count, got.batch(), ws);
+        std::vector<double> want_rows;
+        for (Index b = 0; b < B; ++b) {
+          rows.batch().item(b) = whole.batch().item(b).middleRows(first, count);
+          want_rows.insert(want_rows.end(), want.begin() + (b * T_ + first) * W,
+                           want.begin() + (b * T_ + first + count) * W);
+        }
+        EXPECT_TRUE(all_close("rows vs reference", got, want_rows, default_tolerance<T>()));
+        EXPECT_TRUE(all_close("rows vs forward()", got, widen(rows), default_tolerance<T>().times(1e-2)));
+        if (count == T_) {
+          EXPECT_TRUE(bit_identical("rows [0, T) vs forward()", got, rows));
+        }
+        ranges += count > 0;
+        identical += count > 0 && bit_identical("", got, rows);
+        attention += layer.flops_rows(B, T_, first, count).attention_macs;
+        parts += count > 0;
+      }
+      const long long Tp = p.s.Tp();
+      const long long hashing = 1LL * B * p.s.H * (Tp * p.s.dh + Tp * p.s.dh * p.s.NH * (p.s.n_buckets() / 2));
+      EXPECT_EQ(attention, layer.flops(B, T_, T_).attention_macs + (parts - 1) * hashing);
+    }
+  }
+  std::printf("forward_rows vs forward(): %d of %d %s ranges bit-identical\n", identical, ranges,
+              std::is_same_v<T, float> ? "float" : "double");
+}
+
+TEST(LshRowsBadInput, RangeOutsideTheSequence) {
+  const Problem<double> p = make_problem<double>(Shape{}, 160);
+  const headmix::Lsh<double> layer = p.layer();
+  headmix::Workspace<double> ws;
+  const Index T_ = p.s.T;
+  Tensor<double> out({p.s.B, 4, p.s.out_dim()});
+  EXPECT_SHAPE_ERROR(layer.forward_rows(p.input(), -1, 4, out.batch(), ws), "first row", "got -1");
+  EXPECT_SHAPE_ERROR(layer.forward_rows(p.input(), T_ + 1, 0, out.batch(), ws), "first row", "in [0, T = 16]");
+  EXPECT_SHAPE_ERROR(layer.forward_rows(p.input(), T_ - 3, 4, out.batch(), ws), "row count", "got 4");
+  EXPECT_SHAPE_ERROR(layer.forward_rows(p.input(), 0, 5, out.batch(), ws), "output", "[2, 5, 12]");
+  Tensor<double> none({p.s.B, 0, p.s.out_dim()});
+  EXPECT_NO_THROW(layer.forward_rows(p.input(), T_, 0, none.batch(), ws));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// forward_rows(first, count, probs): the range's rows of the dense weights,
+// [B, H, count, T] with row p at p − first (what one rank of
+// SequenceParallelLsh gathers), against the naive reference's rows and
+// forward()'s rows, bit for bit for the range [0, T); an empty range gives
+// [B, H, 0, T]. The partitions cut chunks of every kind (see above).
+namespace {
+
+TYPED_TEST(LshRowsTest, ForwardRowsProbsAreTheWholeForwardsRows) {
+  using T = TypeParam;
+  std::vector<Shape> shapes(3);
+  for (Shape& s : shapes) s.dh = 16, s.dv = 16;
+  shapes[0].T = 23, shapes[0].NH = 3, shapes[0].causal = true, shapes[0].pad_rate = 0.2;
+  shapes[1].T = 20, shapes[1].dup = false, shapes[1].across = false, shapes[1].NH = 2, shapes[1].threads = 2;
+  shapes[2].T = 18, shapes[2].per_head = true, shapes[2].qkv_bias = true, shapes[2].out_proj = false;
+  for (std::size_t n = 0; n < shapes.size(); ++n) {
+    const Problem<T> p = make_problem<T>(shapes[n], 170 + static_cast<unsigned>(n));
+    SCOPED_TRACE(describe(p.s));
+    const headmix::Lsh<T> layer = p.layer();
+    const Index B = p.s.B, H = p.s.H, T_ = p.s.T, W = p.s.out_dim();
+    const std::vector<double> want = p.reference().probs;  // [B, H, T, T]
+    headmix::Workspace<T> ws;
+    Tensor<T> whole;
+    layer.forward(p.input(), ws, &whole);
+    const std::vector<std::vector<Index>> partitions = {{0, T_}, {0, 7, 8, T_}, {0, 0, T_ - 1, T_}, {0, 5, 11, 17, T_}};
+    for (const auto& cuts : partitions) {
+      for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+        const Index first = cuts[k], count = cuts[k + 1] - first;
+        SCOPED_TRACE("rows " + std::to_string(first) + " + " + std::to_string(count));
+        Tensor<T> out({B, count, W}), plain({B, count, W}), got;
+        layer.forward_rows(p.input(), first, count, out.batch(), ws, &got);
+        layer.forward_rows(p.input(), first, count, plain.batch(), ws);
+        ASSERT_EQ(got.shape(), (std::vector<Index>{B, H, count, T_}));
+        Tensor<T> rows({B, H, count, T_});
+        std::vector<double> want_rows;
+        for (Index bh = 0; bh < B * H; ++bh) {
+          std::copy_n(whole.data() + (bh * T_ + first) * T_, count * T_, rows.data() + bh * count * T_);
+          want_rows.insert(want_rows.end(), want.begin() + (bh * T_ + first) * T_,
+                           want.begin() + (bh * T_ + first + count) * T_);
+        }
+        EXPECT_TRUE(all_close("rows' probs vs reference", got, want_rows, default_tolerance<T>()));
+        EXPECT_TRUE(all_close("rows' probs vs forward()", got, widen(rows), default_tolerance<T>().times(1e-2)));
+        EXPECT_TRUE(all_close("output with probs vs without", out, widen(plain), default_tolerance<T>().times(1e-2)));
+        if (count == T_) {
+          EXPECT_TRUE(bit_identical("probs of rows [0, T) vs forward()", got, whole));
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
 #include "reference/mha_reference.hpp"
+#include "cases/mha.hpp"
 
 #include <gtest/gtest.h>
 
@@ -40,157 +41,7 @@ using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
 
-// ---------------------------------------------------------------------------
-// Random problems
-
-/// One test problem. Self-attention forces S = T and Dkv = D.
-struct Shape {
-  int B = 2, T = 5, S = 5, D = 8, Dkv = 8, H = 2, Dk = 4, Dv = 4, out = 8;
-  int Hkv = 0;            // KV heads (grouped-query attention); 0 means H
-  bool cross = false;
-  bool bias = true;       // false: all four biases absent
-  bool out_proj = true;   // false: o is empty and the output is the concatenated heads
-  bool causal = false;
-  long offset = 0;
-  long window = 0;        // sliding window (with causal); 0 means none
-  double pad_rate = 0;    // chance that each key is padded
-  Index block_rows = 64;
-  Index key_block = 0;    // keys per online-softmax step; 0 = automatic
-  int threads = 1;
-
-  int kv_heads() const { return Hkv > 0 ? Hkv : H; }
-  int out_dim() const { return out_proj ? out : H * Dv; }
-};
-
-std::string describe(const Shape& s) {
-  std::ostringstream o;
-  o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " H=" << s.H
-    << " Hkv=" << s.kv_heads() << " Dk=" << s.Dk << " Dv=" << s.Dv
-    << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
-    << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
-    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate
-    << " block_rows=" << s.block_rows << " key_block=" << s.key_block << " threads=" << s.threads;
-  return o.str();
-}
-
-template <class T>
-headmix_ref::RefLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::RefLinear>(lin);
-}
-
-// A [batch * length, width] matrix as the reference's batch.
-template <class T>
-headmix_ref::RefBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
-}
-
-template <class T>
-struct Problem {
-  Shape s;
-  headmix::MhaWeights<T> w;
-  Matrix<T> xq;                        // [B*T, D]
-  Matrix<T> xk;                        // [B*S, Dkv]; unused for self-attention
-  std::vector<std::uint8_t> padding;   // [B, S] or empty
-
-  headmix::MhaOptions options() const {
-    headmix::MhaOptions o;
-    o.num_heads = s.H;
-    o.num_kv_heads = s.Hkv;
-    o.causal = s.causal;
-    o.causal_offset = s.offset;
-    o.window = s.window;
-    o.block_rows = s.block_rows;
-    o.key_block = s.key_block;
-    o.threads = s.threads;
-    return o;
-  }
-  headmix::Mha<T> layer() const { return headmix::Mha<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
-    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
-    return in;
-  }
-  headmix_ref::RefMhaResult reference() const {
-    headmix_ref::RefMhaWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o)};
-    headmix_ref::RefMhaOptions ro;
-    ro.num_heads = s.H;
-    ro.num_kv_heads = s.Hkv;
-    ro.causal = s.causal;
-    ro.causal_offset = s.offset;
-    ro.window = s.window;
-    const headmix_ref::RefBatch q = to_ref_batch(xq, s.B);
-    if (!s.cross) return headmix_ref::mha_reference(rw, ro, q, nullptr, padding);
-    const headmix_ref::RefBatch k = to_ref_batch(xk, s.B);
-    return headmix_ref::mha_reference(rw, ro, q, &k, padding);
-  }
-};
-
-template <class T>
-Problem<T> make_problem(Shape s, unsigned seed) {
-  if (!s.cross) s.S = s.T, s.Dkv = s.D;
-  Rng rng(seed);
-  Problem<T> p;
-  p.s = s;
-  p.w.q = random_linear<T>(rng, s.H * s.Dk, s.D, s.bias);
-  p.w.k = random_linear<T>(rng, s.kv_heads() * s.Dk, s.Dkv, s.bias);
-  p.w.v = random_linear<T>(rng, s.kv_heads() * s.Dv, s.Dkv, s.bias);
-  if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.H * s.Dv, s.bias);
-  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
-  return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
-// The reference gives masked keys exactly 0 (and float underflows before
-// double does), so wherever it has 0 the layer must have 0 exactly, not ~1e-38.
-template <class T>
-::testing::AssertionResult masked_weights_exactly_zero(const Tensor<T>& got, const std::vector<double>& want) {
-  if (static_cast<std::size_t>(got.size()) != want.size()) return ::testing::AssertionFailure() << "sizes differ";
-  for (std::size_t i = 0; i < want.size(); ++i)
-    if (want[i] == 0 && got[static_cast<Index>(i)] != T(0))
-      return ::testing::AssertionFailure() << "masked weight at flat index " << i << " is "
-                                           << got[static_cast<Index>(i)] << ", not 0";
-  return ::testing::AssertionSuccess();
-}
-
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const Result<T> got = run(p);
-  const headmix_ref::RefMhaResult want = p.reference();
-  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.S}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
-  EXPECT_TRUE(masked_weights_exactly_zero(got.probs, want.probs));
-}
+using namespace mha_case;  // Shape/Problem/run/expect_matches_reference: cases/mha.hpp
 
 template <class T>
 class MhaTest : public ::testing::Test {};
@@ -442,158 +293,6 @@ TYPED_TEST(MhaTest, BlockRowsNotDividingT) {
   expect_matches_reference(make_problem<TypeParam>(s, 32));
 }
 
-// Task boundaries do not depend on the thread count, so neither may a bit
-// of the result. The second shape has B*T > 256 rows, so the projections
-// also split into several row chunks.
-TYPED_TEST(MhaTest, ThreadCountDoesNotChangeBits) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(2);
-  shapes[0].B = 3, shapes[0].T = 10, shapes[0].cross = true, shapes[0].S = 13, shapes[0].Dkv = 5;
-  shapes[0].causal = true, shapes[0].offset = 2, shapes[0].pad_rate = 0.3, shapes[0].block_rows = 3;
-  shapes[1].B = 2, shapes[1].T = 150, shapes[1].D = 16, shapes[1].out = 12, shapes[1].block_rows = 16;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    auto p = make_problem<T>(shapes[n], 33 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const Result<T> one = run(p);
-    for (int threads : {2, 3}) {
-      p.s.threads = threads;
-      const Result<T> many = run(p);
-      EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads";
-      EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads";
-    }
-    expect_matches_reference(p);
-  }
-}
-
-// One Workspace through calls of growing, shrinking and differently shaped
-// problems must give what a fresh one gives, bit for bit.
-TYPED_TEST(MhaTest, WorkspaceReusedAcrossShapes) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(5);
-  shapes[0].B = 3, shapes[0].T = 12, shapes[0].cross = true, shapes[0].S = 9, shapes[0].Dkv = 6,
-  shapes[0].pad_rate = 0.3;
-  shapes[1].B = 1, shapes[1].T = 2, shapes[1].H = 1, shapes[1].Dk = 3, shapes[1].Dv = 2;
-  shapes[2].T = 7, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].block_rows = 2, shapes[2].pad_rate = 0.3;
-  shapes[3].B = 3, shapes[3].T = 20, shapes[3].D = 12, shapes[3].H = 3, shapes[3].out_proj = false;
-  shapes[4].B = 1, shapes[4].T = 1, shapes[4].cross = true, shapes[4].S = 4, shapes[4].Dkv = 2;
-  headmix::Workspace<T> ws;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<T>(shapes[n], 40 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const Result<T> reused = run(p, ws);
-    const Result<T> fresh = run(p);
-    EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
-    EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
-    EXPECT_TRUE(all_close("output", reused.out, p.reference().output, default_tolerance<T>()));
-  }
-}
-
-// probs is resized to [B, H, T, S] and every entry written, even when the
-// tensor arrives with another shape and stale contents.
-TYPED_TEST(MhaTest, ProbsOutputResizedAndFullyWritten) {
-  using T = TypeParam;
-  Shape s;
-  s.cross = true, s.T = 6, s.S = 9, s.H = 3, s.causal = true, s.offset = 1, s.pad_rate = 0.3;
-  const auto p = make_problem<T>(s, 50);
-  const headmix_ref::RefMhaResult want = p.reference();
-  for (const std::vector<Index>& stale_shape : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
-    Tensor<T> probs(stale_shape);
-    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
-    Tensor<T> out({s.B, s.T, s.out});
-    headmix::Workspace<T> ws;
-    p.layer().forward(p.input(), out.batch(), ws, &probs);
-    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.H, s.T, s.S}));
-    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
-    for (Index row = 0; row < probs.size() / s.S; ++row) {
-      double sum = 0;
-      for (Index j = 0; j < s.S; ++j) sum += static_cast<double>(probs[row * s.S + j]);
-      // 1 where a key is visible; 0 for rows that see only padded keys.
-      if (sum != 0) {
-        EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
-      }
-    }
-  }
-}
-
-TYPED_TEST(MhaTest, AllocatingForwardMatchesBufferForward) {
-  using T = TypeParam;
-  Shape s;
-  s.cross = true, s.S = 7, s.out = 5, s.pad_rate = 0.2;
-  const auto p = make_problem<T>(s, 51);
-  const Result<T> expected = run(p);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
-  EXPECT_EQ(out.shape(), (std::vector<Index>{s.B, s.T, s.out}));
-  EXPECT_TRUE(bit_identical("output", out, expected.out));
-  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
-  const Tensor<T> out_without_probs = p.layer().forward(p.input(), ws);
-  EXPECT_TRUE(bit_identical("output without probs", out_without_probs, expected.out));
-  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
-}
-
-// forward(Matrix) is self-attention over one [T, D] sequence.
-TYPED_TEST(MhaTest, SingleSequenceForward) {
-  using T = TypeParam;
-  Shape s;
-  s.B = 1, s.T = 7, s.out = 6, s.causal = true;
-  const auto p = make_problem<T>(s, 52);
-  const Matrix<T> y = p.layer().forward(p.xq);
-  ASSERT_EQ(y.rows(), s.T);
-  ASSERT_EQ(y.cols(), s.out);
-  EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
-                        default_tolerance<T>()));
-  const Result<T> batched = run(p);
-  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], batched.out[i]) << i;
-}
-
-// set_options() may change masking, block size and threads between calls.
-TYPED_TEST(MhaTest, OptionsChangedBetweenCalls) {
-  using T = TypeParam;
-  Shape s;
-  s.T = 9, s.pad_rate = 0.2;
-  auto p = make_problem<T>(s, 53);
-  headmix::Mha<T> layer = p.layer();
-  headmix::Workspace<T> ws;
-  for (int step = 0; step < 3; ++step) {
-    p.s.causal = step > 0, p.s.offset = step == 2 ? -2 : 0, p.s.block_rows = 2 + step, p.s.threads = 1 + step;
-    layer.set_options(p.options());
-    Tensor<T> out({s.B, s.T, s.out});
-    layer.forward(p.input(), out.batch(), ws);
-    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
-  }
-}
-
-// flops() must equal the multiply-adds the naive algorithm performs: all
-// projections, plus (Dk + Dv) per causally visible (query, key) pair per head.
-TYPED_TEST(MhaTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(10);
-  shapes[0].D = 16, shapes[0].Dk = 8, shapes[0].Dv = 8, shapes[0].out = 16, shapes[0].T = 7;
-  shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].Dk = 3, shapes[1].Dv = 5,
-  shapes[1].causal = true, shapes[1].out_proj = false;
-  shapes[2].T = 8, shapes[2].causal = true, shapes[2].offset = -3, shapes[2].pad_rate = 0.5;
-  shapes[3].cross = true, shapes[3].T = 3, shapes[3].S = 10, shapes[3].causal = true, shapes[3].offset = 7;
-  shapes[4].T = 6, shapes[4].causal = true, shapes[4].offset = -20;  // nothing visible
-  shapes[5].B = 3, shapes[5].T = 1, shapes[5].H = 3, shapes[5].out = 2, shapes[5].bias = false;
-  shapes[6].cross = true, shapes[6].T = 11, shapes[6].S = 4, shapes[6].causal = true, shapes[6].offset = 1,
-  shapes[6].H = 1, shapes[6].pad_rate = 0.3;
-  // Grouped-query K/V projections count Hkv heads; windows count only
-  // the pairs inside the window.
-  shapes[7].H = 4, shapes[7].Hkv = 2, shapes[7].T = 6, shapes[7].cross = true, shapes[7].S = 9;
-  shapes[8].H = 4, shapes[8].Hkv = 1, shapes[8].T = 9, shapes[8].causal = true, shapes[8].window = 3;
-  shapes[9].cross = true, shapes[9].T = 5, shapes[9].S = 12, shapes[9].causal = true, shapes[9].offset = 4,
-  shapes[9].window = 2, shapes[9].pad_rate = 0.3;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<TypeParam>(shapes[n], 60 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const headmix_ref::RefMhaResult want = p.reference();
-    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.S);
-    EXPECT_EQ(got.projection_macs, want.projection_macs);
-    EXPECT_EQ(got.attention_macs, want.attention_macs);
-    EXPECT_EQ(got.macs(), want.projection_macs + want.attention_macs);
-  }
-}
-
 // ---------------------------------------------------------------------------
 // Grouped-query attention (num_kv_heads) and sliding windows
 
@@ -766,11 +465,6 @@ TEST_F(BadInput, ValidSetupRuns) {  // so that each failure below is the one bro
   EXPECT_NO_THROW(forward(input(), out_view()));
 }
 
-TEST_F(BadInput, ZeroHeads) {
-  opt.num_heads = 0;
-  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
-}
-
 TEST_F(BadInput, QueryRowsNotDivisibleByHeads) {
   opt.num_heads = 3;  // q has 8 rows
   EXPECT_SHAPE_ERROR(build(), "q.weight", "expected [", "num_heads = 3", "got [8, 16]");
@@ -818,83 +512,9 @@ TEST_F(BadInput, NoQueryWeight) {
   EXPECT_SHAPE_ERROR(build(), "q.weight", "expected [", "got [0, 0]");
 }
 
-TEST_F(BadInput, QueryWidth) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), B, T, D - 1);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
-}
-
-TEST_F(BadInput, KeyWidth) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), B, S, Dkv - 1);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [2, 7, 11]");
-}
-
-TEST_F(BadInput, KeyBatchNotQueryBatch) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), 1, S, Dkv);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [1, 7, 12]");
-}
-
-TEST_F(BadInput, KeyPaddingMaskShape) {
-  auto in = input();
-  in.key_padding.keys = S - 1;
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [2, 6]");
-  in.key_padding = headmix::KeyPadding{padding.data(), 1, S};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [1, 7]");
-}
-
-TEST_F(BadInput, OutputBufferShape) {
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
-                     "expected [2, 5, 10]", "got [2, 5, 9]");
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T - 1, Out)), "output",
-                     "expected [2, 5, 10]", "got [2, 4, 10]");
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>()), "output", "expected [2, 5, 10]", "no buffer");
-}
-
-TEST_F(BadInput, ZeroLengthQuery) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), B, 0, D);
-  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "expected [",
-                     "T >= 1", "got [2, 0, 16]");
-}
-
-TEST_F(BadInput, ZeroBatch) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), 0, T, D);
-  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), 0, T, Out)), "input.query", "expected [",
-                     "B >= 1", "got [0, 5, 16]");
-}
-
-TEST_F(BadInput, ZeroLengthKey) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), B, 0, Dkv);
-  in.key_padding = {};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, S >= 1, 12]", "got [2, 0, 12]");
-}
-
-// Self-attention uses the query as key; there is no key shape to show, so
-// the message names the key width the layer wants and says none was given.
-TEST_F(BadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
-  auto in = input();
-  in.key = {};
-  in.key_padding = {};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
-}
-
-TEST_F(BadInput, NegativeBlockRows) {
-  opt.block_rows = -1;
-  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
-}
-
 TEST_F(BadInput, NegativeKeyBlock) {
   opt.key_block = -1;
   EXPECT_SHAPE_ERROR(build(), "key_block", "expected >= 0", "got -1");
-}
-
-TEST_F(BadInput, ZeroThreads) {
-  opt.threads = 0;
-  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
 }
 
 TEST_F(BadInput, NumKvHeadsNotDividingNumHeads) {
@@ -912,18 +532,6 @@ TEST_F(BadInput, KeyValueRowsForNumHeadsInsteadOfNumKvHeads) {
   w.k.weight.conservativeResize(Dk, Dkv);
   w.k.bias.conservativeResize(Dk);
   EXPECT_SHAPE_ERROR(build(), "v.weight", "expected [3, 12]", "got [6, 12]");
-}
-
-TEST_F(BadInput, WindowNeedsCausalAndIsNotNegative) {
-  opt.window = 2;
-  EXPECT_SHAPE_ERROR(build(), "window", "expected 0 unless causal (a window needs causal = true)", "got 2");
-  opt.causal = true, opt.window = -1;
-  EXPECT_SHAPE_ERROR(build(), "window", "expected >= 0", "got -1");
-}
-
-TEST_F(BadInput, NonFiniteScale) {
-  opt.scale = std::numeric_limits<double>::quiet_NaN();
-  EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number", "got nan");
 }
 
 // set_options() validates like the constructor and keeps the old options
@@ -945,13 +553,6 @@ TEST_F(BadInput, SetOptionsValidates) {
   EXPECT_SHAPE_ERROR(layer.set_options(bad), "num_heads", "expected >= 1", "got 0");
   EXPECT_EQ(layer.options().num_heads, opt.num_heads);  // unchanged after the failures
   EXPECT_NO_THROW(layer.forward(input(), out_view(), ws));
-}
-
-// An o.bias without an o.weight is a broken weight set, not "no output
-// projection": it is rejected.
-TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
-  w.o.weight.resize(0, 0);
-  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [", "got [0, 0]");
 }
 
 }  // namespace

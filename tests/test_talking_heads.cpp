@@ -23,6 +23,7 @@
 #include "test_util.hpp"
 #include "reference/mha_reference.hpp"
 #include "reference/talking_heads_reference.hpp"
+#include "cases/talking_heads.hpp"
 
 #include <gtest/gtest.h>
 
@@ -46,155 +47,7 @@ using headmix::Index;
 using headmix::Matrix;
 using headmix::Tensor;
 
-// ---------------------------------------------------------------------------
-// Random problems
-
-/// One test problem. Self-attention forces S = T and Dkv = D. A missing mix
-/// needs equal head counts on its two sides; make_problem enforces that.
-struct Shape {
-  int B = 2, T = 5, S = 5, D = 8, Dkv = 8, Hk = 2, H = 3, Hv = 2, Dk = 4, Dv = 3, out = 8;
-  bool pre = true, post = true;
-  bool cross = false;
-  bool bias = true;
-  bool out_proj = true;
-  bool causal = false;
-  long offset = 0;
-  long window = 0;   // sliding window (with causal); 0 means none
-  double pad_rate = 0;
-  double scale = 0;  // 0: the default 1/sqrt(Dk)
-  Index block_rows = 16;
-  int threads = 1;
-
-  int out_dim() const { return out_proj ? out : Hv * Dv; }
-};
-
-std::string describe(const Shape& s) {
-  std::ostringstream o;
-  o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " Hk=" << s.Hk
-    << " H=" << s.H << " Hv=" << s.Hv << " Dk=" << s.Dk << " Dv=" << s.Dv
-    << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " pre=" << s.pre << " post=" << s.post
-    << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
-    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " scale=" << s.scale
-    << " block_rows=" << s.block_rows << " threads=" << s.threads;
-  return o.str();
-}
-
-template <class T>
-headmix_ref::RefThLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::RefThLinear>(lin);
-}
-
-template <class T>
-headmix_ref::RefMix to_ref_mix(const Matrix<T>& m) {
-  return {static_cast<int>(m.rows()), static_cast<int>(m.cols()), widen(m)};
-}
-
-template <class T>
-headmix_ref::RefThBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  return ref_batch_as<headmix_ref::RefThBatch>(m, batch);
-}
-
-template <class T>
-struct Problem {
-  Shape s;
-  headmix::TalkingHeadsWeights<T> w;
-  Matrix<T> xq;                       // [B*T, D]
-  Matrix<T> xk;                       // [B*S, Dkv]; unused for self-attention
-  std::vector<std::uint8_t> padding;  // [B, S] or empty
-
-  headmix::TalkingHeadsOptions options() const {
-    headmix::TalkingHeadsOptions o;
-    o.num_heads = s.H;
-    o.key_heads = s.Hk;
-    o.value_heads = s.Hv;
-    o.causal = s.causal;
-    o.causal_offset = s.offset;
-    o.window = s.window;
-    if (s.scale != 0) o.scale = s.scale;
-    o.block_rows = s.block_rows;
-    o.threads = s.threads;
-    return o;
-  }
-  headmix::TalkingHeads<T> layer() const { return headmix::TalkingHeads<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
-    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
-    return in;
-  }
-  headmix_ref::RefThResult reference() const {
-    headmix_ref::RefThWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o), to_ref_mix(w.pre_softmax),
-                                 to_ref_mix(w.post_softmax)};
-    headmix_ref::RefThOptions ro;
-    ro.key_heads = s.Hk, ro.heads = s.H, ro.value_heads = s.Hv;
-    ro.causal = s.causal;
-    ro.causal_offset = s.offset;
-    ro.window = s.window;
-    ro.scale = s.scale;
-    const headmix_ref::RefThBatch q = to_ref_batch(xq, s.B);
-    if (!s.cross) return headmix_ref::talking_heads_reference(rw, ro, q, nullptr, padding);
-    const headmix_ref::RefThBatch k = to_ref_batch(xk, s.B);
-    return headmix_ref::talking_heads_reference(rw, ro, q, &k, padding);
-  }
-};
-
-// Mixing weights in [-1, 1]: rows of either sign of sum, as the spec warns.
-template <class T>
-Problem<T> make_problem(Shape s, unsigned seed) {
-  if (!s.cross) s.S = s.T, s.Dkv = s.D;
-  if (!s.pre) s.Hk = s.H;
-  if (!s.post) s.Hv = s.H;
-  Rng rng(seed);
-  Problem<T> p;
-  p.s = s;
-  p.w.q = random_linear<T>(rng, s.Hk * s.Dk, s.D, s.bias);
-  p.w.k = random_linear<T>(rng, s.Hk * s.Dk, s.Dkv, s.bias);
-  p.w.v = random_linear<T>(rng, s.Hv * s.Dv, s.Dkv, s.bias);
-  if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.Hv * s.Dv, s.bias);
-  if (s.pre) p.w.pre_softmax = random_matrix<T>(rng, s.H, s.Hk, 1.0);
-  if (s.post) p.w.post_softmax = random_matrix<T>(rng, s.Hv, s.H, 1.0);
-  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
-  return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const Result<T> got = run(p);
-  const headmix_ref::RefThResult want = p.reference();
-  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.Hv, p.s.T, p.s.S}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
-}
+using namespace th_case;  // Shape/Problem/run/expect_matches_reference: cases/talking_heads.hpp
 
 template <class T>
 class TalkingHeadsTest : public ::testing::Test {};
@@ -583,129 +436,6 @@ TYPED_TEST(TalkingHeadsTest, BlockRowsNotDividingT) {
   expect_matches_reference(make_problem<TypeParam>(s, 40));
 }
 
-// Task boundaries do not depend on the thread count, so neither may any bit.
-// The second shape has B*T > 256 rows: the projections split into chunks too.
-TYPED_TEST(TalkingHeadsTest, ThreadCountDoesNotChangeBits) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(3);
-  shapes[0].B = 3, shapes[0].T = 10, shapes[0].cross = true, shapes[0].S = 13, shapes[0].Dkv = 5;
-  shapes[0].causal = true, shapes[0].offset = 2, shapes[0].pad_rate = 0.3, shapes[0].block_rows = 3;
-  shapes[1].B = 2, shapes[1].T = 150, shapes[1].D = 16, shapes[1].out = 12, shapes[1].Hk = 4, shapes[1].H = 6;
-  shapes[1].Hv = 3;
-  shapes[2].B = 1, shapes[2].T = 40, shapes[2].causal = true, shapes[2].post = false, shapes[2].block_rows = 7;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    auto p = make_problem<T>(shapes[n], 41 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const Result<T> one = run(p);
-    for (int threads : {2, 3}) {
-      p.s.threads = threads;
-      const Result<T> many = run(p);
-      EXPECT_TRUE(bit_identical("output", one.out, many.out)) << threads << " threads";
-      EXPECT_TRUE(bit_identical("probs", one.probs, many.probs)) << threads << " threads";
-    }
-    expect_matches_reference(p);
-  }
-}
-
-// One Workspace through problems that grow, shrink and change head counts
-// gives what a fresh one gives, bit for bit.
-TYPED_TEST(TalkingHeadsTest, WorkspaceReusedAcrossShapes) {
-  using T = TypeParam;
-  std::vector<Shape> shapes(5);
-  shapes[0].B = 3, shapes[0].T = 12, shapes[0].cross = true, shapes[0].S = 9, shapes[0].Dkv = 6,
-  shapes[0].pad_rate = 0.3;
-  shapes[1].B = 1, shapes[1].T = 2, shapes[1].Hk = 1, shapes[1].H = 1, shapes[1].Hv = 1, shapes[1].Dk = 3;
-  shapes[2].T = 7, shapes[2].causal = true, shapes[2].threads = 3, shapes[2].block_rows = 2, shapes[2].Hk = 5,
-  shapes[2].H = 2, shapes[2].Hv = 6;
-  shapes[3].B = 3, shapes[3].T = 20, shapes[3].D = 12, shapes[3].pre = false, shapes[3].out_proj = false;
-  shapes[4].B = 1, shapes[4].T = 1, shapes[4].cross = true, shapes[4].S = 4, shapes[4].Dkv = 2;
-  headmix::Workspace<T> ws;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<T>(shapes[n], 45 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const Result<T> reused = run(p, ws);
-    const Result<T> fresh = run(p);
-    EXPECT_TRUE(bit_identical("output", reused.out, fresh.out));
-    EXPECT_TRUE(bit_identical("probs", reused.probs, fresh.probs));
-    EXPECT_TRUE(all_close("output", reused.out, p.reference().output, default_tolerance<T>()));
-  }
-}
-
-// Once a workspace has seen a shape, calls of that shape allocate nothing more.
-TYPED_TEST(TalkingHeadsTest, WorkspaceStopsGrowing) {
-  using T = TypeParam;
-  Shape s;
-  s.T = 20, s.causal = true, s.block_rows = 4;
-  const auto p = make_problem<T>(s, 50);
-  headmix::Workspace<T> ws;
-  run(p, ws);
-  const std::size_t bytes = ws.bytes();
-  run(p, ws);
-  EXPECT_EQ(ws.bytes(), bytes);
-}
-
-// probs is resized to [B, h_v, T, S] and every entry written, whatever it held.
-TYPED_TEST(TalkingHeadsTest, ProbsOutputResizedAndFullyWritten) {
-  using T = TypeParam;
-  Shape s;
-  s.cross = true, s.T = 6, s.S = 9, s.Hk = 2, s.H = 3, s.Hv = 4, s.causal = true, s.offset = 1, s.pad_rate = 0.3;
-  const auto p = make_problem<T>(s, 51);
-  const headmix_ref::RefThResult want = p.reference();
-  for (const std::vector<Index>& stale : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
-    Tensor<T> probs(stale);
-    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
-    Tensor<T> out({s.B, s.T, s.out});
-    headmix::Workspace<T> ws;
-    p.layer().forward(p.input(), out.batch(), ws, &probs);
-    EXPECT_EQ(probs.shape(), (std::vector<Index>{s.B, s.Hv, s.T, s.S}));
-    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
-  }
-}
-
-TYPED_TEST(TalkingHeadsTest, AllocatingForwardMatchesBufferForward) {
-  using T = TypeParam;
-  Shape s;
-  s.cross = true, s.S = 7, s.out = 5, s.pad_rate = 0.2;
-  const auto p = make_problem<T>(s, 52);
-  const Result<T> expected = run(p);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> out = p.layer().forward(p.input(), ws, &probs);
-  EXPECT_EQ(out.shape(), (std::vector<Index>{s.B, s.T, s.out}));
-  EXPECT_TRUE(bit_identical("output", out, expected.out));
-  EXPECT_TRUE(bit_identical("probs", probs, expected.probs));
-  EXPECT_TRUE(bit_identical("output without probs", p.layer().forward(p.input(), ws), expected.out));
-}
-
-TYPED_TEST(TalkingHeadsTest, SingleSequenceForward) {
-  using T = TypeParam;
-  Shape s;
-  s.B = 1, s.T = 7, s.out = 6, s.causal = true;
-  const auto p = make_problem<T>(s, 53);
-  const Matrix<T> y = p.layer().forward(p.xq);
-  ASSERT_EQ(y.rows(), s.T);
-  ASSERT_EQ(y.cols(), s.out);
-  EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
-                        default_tolerance<T>()));
-}
-
-// set_options() may change masking, block size and threads between calls.
-TYPED_TEST(TalkingHeadsTest, OptionsChangedBetweenCalls) {
-  using T = TypeParam;
-  Shape s;
-  s.T = 9, s.pad_rate = 0.2;
-  auto p = make_problem<T>(s, 54);
-  headmix::TalkingHeads<T> layer = p.layer();
-  headmix::Workspace<T> ws;
-  for (int step = 0; step < 3; ++step) {
-    p.s.causal = step > 0, p.s.offset = step == 2 ? -2 : 0, p.s.block_rows = 2 + step, p.s.threads = 1 + step;
-    layer.set_options(p.options());
-    Tensor<T> out({s.B, s.T, s.out});
-    layer.forward(p.input(), out.batch(), ws);
-    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>())) << "step " << step;
-  }
-}
-
 // Windows of 1, 3 and more than T over causal offsets, self and padded
 // cross (the test_util.hpp cases; padding is masked after the pre mix like
 // the window), each mix present or absent.
@@ -726,34 +456,6 @@ TYPED_TEST(TalkingHeadsTest, LongWindowIsPlainCausalAndAutomaticBlockRows) {
   expect_matches_reference(make_problem<TypeParam>(s, 411));
   s.causal = true, s.window = 5, s.threads = 2;
   expect_matches_reference(make_problem<TypeParam>(s, 412));
-}
-
-// flops() equals the multiply-adds of the naive algorithm: the projections,
-// and per causally visible pair h_k·Dk + h·h_k (pre) + h_v·h (post) + h_v·Dv.
-TYPED_TEST(TalkingHeadsTest, FlopsEqualReferenceCount) {
-  std::vector<Shape> shapes(10);
-  shapes[0].T = 7, shapes[0].Hk = 3, shapes[0].H = 5, shapes[0].Hv = 4;
-  shapes[1].cross = true, shapes[1].T = 5, shapes[1].S = 11, shapes[1].Dkv = 6, shapes[1].causal = true,
-  shapes[1].out_proj = false;
-  shapes[2].T = 8, shapes[2].causal = true, shapes[2].offset = -3, shapes[2].pad_rate = 0.5, shapes[2].pre = false;
-  shapes[3].cross = true, shapes[3].T = 3, shapes[3].S = 10, shapes[3].causal = true, shapes[3].offset = 7,
-  shapes[3].post = false;
-  shapes[4].T = 6, shapes[4].causal = true, shapes[4].offset = -20;  // nothing visible
-  shapes[5].B = 3, shapes[5].T = 1, shapes[5].pre = false, shapes[5].post = false, shapes[5].bias = false;
-  shapes[6].cross = true, shapes[6].T = 11, shapes[6].S = 4, shapes[6].causal = true, shapes[6].offset = 1,
-  shapes[6].Hk = 1, shapes[6].H = 6, shapes[6].Hv = 2, shapes[6].pad_rate = 0.3;
-  shapes[7].T = 9, shapes[7].Hk = 6, shapes[7].H = 2, shapes[7].Hv = 1, shapes[7].Dk = 2, shapes[7].Dv = 7;
-  shapes[8].T = 9, shapes[8].causal = true, shapes[8].window = 3;  // only the pairs inside the window
-  shapes[9].cross = true, shapes[9].T = 4, shapes[9].S = 12, shapes[9].causal = true, shapes[9].offset = 6,
-  shapes[9].window = 5, shapes[9].pad_rate = 0.3, shapes[9].post = false;
-  for (std::size_t n = 0; n < shapes.size(); ++n) {
-    const auto p = make_problem<TypeParam>(shapes[n], 60 + static_cast<unsigned>(n));
-    SCOPED_TRACE(describe(p.s));
-    const headmix_ref::RefThResult want = p.reference();
-    const headmix::FlopCount got = p.layer().flops(p.s.B, p.s.T, p.s.S);
-    EXPECT_EQ(got.projection_macs, want.projection_macs);
-    EXPECT_EQ(got.attention_macs, want.attention_macs);
-  }
 }
 
 // Long key rows make the fused stage split each tile into chunks of one or
@@ -935,11 +637,6 @@ class TalkingHeadsBadInput : public ::testing::Test {
 
 TEST_F(TalkingHeadsBadInput, ValidSetupRuns) { EXPECT_NO_THROW(forward(input(), out_view())); }
 
-TEST_F(TalkingHeadsBadInput, ZeroHeads) {
-  opt.num_heads = 0;
-  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
-}
-
 TEST_F(TalkingHeadsBadInput, NegativeKeyHeads) {
   opt.key_heads = -1;
   EXPECT_SHAPE_ERROR(build(), "key_heads", "expected >= 1 (or 0 for num_heads)", "got -1");
@@ -1003,11 +700,6 @@ TEST_F(TalkingHeadsBadInput, OutputBiasLength) {
   EXPECT_SHAPE_ERROR(build(), "o.bias", "expected [10]", "got [9]");
 }
 
-TEST_F(TalkingHeadsBadInput, OutputBiasWithoutOutputWeight) {
-  w.o.weight.resize(0, 0);
-  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 12]", "got [0, 0]");
-}
-
 TEST_F(TalkingHeadsBadInput, PreMixRowsNotNumHeads) {
   w.pre_softmax.resize(H + 1, Hk);
   EXPECT_SHAPE_ERROR(build(), "pre_softmax.weight", "expected [3, 2]", "got [4, 2]");
@@ -1059,83 +751,6 @@ TEST_F(TalkingHeadsBadInput, MissingPostMixNeedsNumHeadsEqualValueHeads) {
 TEST_F(TalkingHeadsBadInput, DefaultHeadCountsFollowNumHeads) {
   opt.value_heads = 0;  // 3 value heads of width 4 still fit v's 12 rows
   EXPECT_SHAPE_ERROR(build(), "post_softmax.weight", "expected [3, 3]", "got [4, 3]");
-}
-
-TEST_F(TalkingHeadsBadInput, QueryWidth) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), B, T, D - 1);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.query", "expected [2, 5, 16]", "got [2, 5, 15]");
-}
-
-TEST_F(TalkingHeadsBadInput, KeyWidth) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), B, S, Dkv - 1);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [2, 7, 11]");
-}
-
-TEST_F(TalkingHeadsBadInput, KeyBatchNotQueryBatch) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), 1, S, Dkv);
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, 7, 12]", "got [1, 7, 12]");
-}
-
-TEST_F(TalkingHeadsBadInput, KeyPaddingMaskShape) {
-  auto in = input();
-  in.key_padding.keys = S - 1;
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [2, 6]");
-  in.key_padding = headmix::KeyPadding{padding.data(), 1, S};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key_padding_mask", "expected [2, 7]", "got [1, 7]");
-}
-
-TEST_F(TalkingHeadsBadInput, OutputBufferShape) {
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T, Out - 1)), "output",
-                     "expected [2, 5, 10]", "got [2, 5, 9]");
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>(out.data(), B, T - 1, Out)), "output",
-                     "expected [2, 5, 10]", "got [2, 4, 10]");
-  EXPECT_SHAPE_ERROR(forward(input(), headmix::BatchView<double>()), "output", "expected [2, 5, 10]", "no buffer");
-}
-
-TEST_F(TalkingHeadsBadInput, ZeroLengthQuery) {
-  auto in = input();
-  in.query = headmix::ConstBatchView<double>(xq.data(), B, 0, D);
-  EXPECT_SHAPE_ERROR(forward(in, headmix::BatchView<double>(out.data(), B, 0, Out)), "input.query", "T >= 1",
-                     "got [2, 0, 16]");
-}
-
-TEST_F(TalkingHeadsBadInput, ZeroLengthKey) {
-  auto in = input();
-  in.key = headmix::ConstBatchView<double>(xk.data(), B, 0, Dkv);
-  in.key_padding = {};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected [2, S >= 1, 12]", "got [2, 0, 12]");
-}
-
-TEST_F(TalkingHeadsBadInput, SelfAttentionWithKeyWidthNotEmbedWidth) {
-  auto in = input();
-  in.key = {};
-  in.key_padding = {};
-  EXPECT_SHAPE_ERROR(forward(in, out_view()), "input.key", "expected a key sequence of width 12", "got none");
-}
-
-TEST_F(TalkingHeadsBadInput, NegativeBlockRows) {
-  opt.block_rows = -1;
-  EXPECT_SHAPE_ERROR(build(), "block_rows", "expected >= 0", "got -1");
-}
-
-TEST_F(TalkingHeadsBadInput, ZeroThreads) {
-  opt.threads = 0;
-  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
-}
-
-TEST_F(TalkingHeadsBadInput, WindowNeedsCausalAndIsNotNegative) {
-  opt.window = 2;
-  EXPECT_SHAPE_ERROR(build(), "window", "expected 0 unless causal (a window needs causal = true)", "got 2");
-  opt.causal = true, opt.window = -1;
-  EXPECT_SHAPE_ERROR(build(), "window", "expected >= 0", "got -1");
-}
-
-TEST_F(TalkingHeadsBadInput, NonFiniteScale) {
-  opt.scale = std::numeric_limits<double>::infinity();
-  EXPECT_SHAPE_ERROR(build(), "scale", "expected a finite number", "got inf");
 }
 
 // set_options() validates like the constructor and keeps the old options

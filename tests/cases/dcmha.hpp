@@ -1,0 +1,212 @@
+// The dcmha test problem (shape, random weights and inputs, the naive
+// double reference, running and comparing), shared by test_dcmha.cpp and
+// the typed contract tests (tests/variants.hpp).
+#pragma once
+
+#include "test_util.hpp"
+#include "headmix/headmix.hpp"
+#include "reference/dcmha_reference.hpp"
+#include "conformance/case_dcmha.hpp"
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+#include <gtest/gtest.h>
+
+namespace dcmha_case {
+
+using namespace headmix_test;
+using headmix::Dcmha;
+using headmix::SequenceCache;
+using headmix::DcmhaOptions;
+using headmix::DcmhaWeights;
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+
+// ---------------------------------------------------------------------------
+// Random problems
+
+/// One test problem.
+struct Config {
+  int B = 2, T = 7, D = 12, H = 4, dk = 3, dv = 3, out = 10;  // out 0: no output projection
+  int G = 1, R = 2, K = 6;
+  bool bias = false;
+  bool use_pre = true, use_post = true, query_wise = true, key_wise = true, static_w = false;
+  bool causal = true;
+  long offset = 0;  // causal_offset
+  int window = 0;
+  bool gelu_tanh = false;
+  double pad_rate = 0;       // chance that each key is padded
+  bool pad_all_of_last = false;  // every key of the last batch item padded
+  double weight_gain = 1;    // scales q and k weights (bigger scores)
+  double dw_norm_eps = 1e-6;  // the W1 RMSNorm epsilon, given to the layer and the reference alike
+  Index block_rows = 0;
+  int threads = 1;
+
+  int M() const { return H / G; }
+  int out_dim() const { return out == 0 ? H * dv : out; }
+};
+
+std::string describe(const Config& c) {
+  std::ostringstream o;
+  o << "B=" << c.B << " T=" << c.T << " D=" << c.D << " H=" << c.H << " dk=" << c.dk << " dv=" << c.dv
+    << " out=" << c.out << " G=" << c.G << " R=" << c.R << " K=" << c.K << " bias=" << c.bias << " pre=" << c.use_pre
+    << " post=" << c.use_post << " qw=" << c.query_wise << " kw=" << c.key_wise << " static=" << c.static_w
+    << " causal=" << c.causal << " offset=" << c.offset << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh
+    << " eps=" << c.dw_norm_eps
+    << " pad=" << c.pad_rate
+    << " block_rows=" << c.block_rows << " threads=" << c.threads;
+  return o.str();
+}
+
+template <class T>
+struct Problem {
+  Config c;
+  DcmhaWeights<T> w;
+  Matrix<T> x;                       // [B*T, D]
+  std::vector<std::uint8_t> padding;  // [B, T] or empty
+
+  DcmhaOptions options() const {
+    DcmhaOptions o;
+    o.num_heads = c.H;
+    o.groups = c.G;
+    o.rank = c.R;
+    o.use_pre = c.use_pre;
+    o.use_post = c.use_post;
+    o.query_wise = c.query_wise;
+    o.key_wise = c.key_wise;
+    o.static_w = c.static_w;
+    o.causal = c.causal;
+    o.causal_offset = c.offset;
+    o.window = c.window;
+    o.gelu = c.gelu_tanh ? headmix::DcmhaGelu::tanh : headmix::DcmhaGelu::erf;
+    o.dw_norm_eps = c.dw_norm_eps;
+    o.block_rows = c.block_rows;
+    o.threads = c.threads;
+    return o;
+  }
+  Dcmha<T> layer() const { return Dcmha<T>(w, options()); }
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(x.data(), c.B, c.T, c.D);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), c.B, c.T};
+    return in;
+  }
+  headmix_ref::RefDcmhaWeights ref_weights() const {
+    headmix_ref::RefDcmhaWeights r;
+    r.D = c.D, r.H = c.H, r.dk = c.dk, r.dv = c.dv, r.out = c.out, r.G = c.G, r.R = c.R, r.K = c.K;
+    r.wq = widen(w.q.weight), r.bq = widen(w.q.bias);
+    r.wk = widen(w.k.weight), r.bk = widen(w.k.bias);
+    r.wv = widen(w.v.weight), r.bv = widen(w.v.bias);
+    r.wo = widen(w.o.weight), r.bo = widen(w.o.bias);
+    r.dw1 = widen(w.dw1), r.qkw = widen(w.qkw), r.dd = widen(w.dd);
+    r.pre_w = widen(w.pre_w), r.post_w = widen(w.post_w);
+    return r;
+  }
+  headmix_ref::RefDcmhaOptions ref_options() const {
+    headmix_ref::RefDcmhaOptions o;
+    o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
+    o.static_w = c.static_w, o.causal = c.causal, o.causal_offset = c.offset, o.window = c.window;
+    o.gelu_tanh = c.gelu_tanh;
+    o.eps = c.dw_norm_eps;
+    return o;
+  }
+  headmix_ref::RefDcmhaResult reference() const {
+    return headmix_ref::dcmha_reference(ref_weights(), ref_options(), c.B, c.T, widen(x), padding);
+  }
+};
+
+// Weights scaled so that every branch changes the output by a lot: F and
+// the gates are O(1), so W1ᵀW2 and dd are comparable to the identity.
+template <class T>
+Problem<T> make_problem(const Config& c, unsigned seed) {
+  Rng rng(seed);
+  Problem<T> p;
+  p.c = c;
+  p.w.q = random_linear<T>(rng, c.H * c.dk, c.D, c.bias);
+  p.w.k = random_linear<T>(rng, c.H * c.dk, c.D, c.bias);
+  p.w.v = random_linear<T>(rng, c.H * c.dv, c.D, c.bias);
+  if (c.weight_gain != 1) {
+    p.w.q.weight *= static_cast<T>(c.weight_gain);
+    p.w.k.weight *= static_cast<T>(c.weight_gain);
+  }
+  if (c.out != 0) p.w.o = random_linear<T>(rng, c.out, c.H * c.dv, c.bias);
+  const int M = c.M();
+  p.w.dw1 = random_tensor<T>(rng, {c.D, c.G, 4, c.K}, 2.0 / std::sqrt(static_cast<double>(c.D)));
+  p.w.qkw = random_tensor<T>(rng, {c.G, 4, c.K, 2 * c.R, M}, 1.0 / std::sqrt(static_cast<double>(c.K)));
+  p.w.dd = random_tensor<T>(rng, {c.D, c.G, 4 * M}, 2.0 / std::sqrt(static_cast<double>(c.D)));
+  p.x = random_matrix<T>(rng, c.B * c.T, c.D, 1.0);
+  if (c.static_w) {  // drawn after x, so that toggling it keeps every other value
+    p.w.pre_w = random_tensor<T>(rng, {c.G, M, M}, 0.5);
+    p.w.post_w = random_tensor<T>(rng, {c.G, M, M}, 0.5);
+  }
+  if (c.pad_rate > 0 || c.pad_all_of_last) {
+    p.padding.assign(static_cast<std::size_t>(c.B) * c.T, 0);
+    for (int b = 0; b < c.B; ++b)
+      for (int t = 0; t < c.T; ++t)
+        p.padding[static_cast<std::size_t>(b) * c.T + t] =
+            (c.pad_all_of_last && b == c.B - 1) || uniform(rng, 0, 1) < c.pad_rate ? 1 : 0;
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing
+
+template <class T>
+struct Result {
+  Tensor<T> out, probs;
+};
+
+template <class T>
+Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
+  Result<T> r;
+  r.out = Tensor<T>({p.c.B, p.c.T, p.c.out_dim()});
+  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
+  return r;
+}
+template <class T>
+Result<T> run(const Problem<T>& p) {
+  headmix::Workspace<T> ws;
+  return run(p, ws);
+}
+
+// Same shape and equal entries, NaN matching NaN. Unlike
+// headmix_test::bit_identical, +0 and -0 (and NaN payloads) count as equal.
+template <class T>
+::testing::AssertionResult equal_values(const char* what, const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << what << ": shapes differ";
+  for (Index i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i]) && !(a[i] != a[i] && b[i] != b[i]))
+      return ::testing::AssertionFailure() << what << ": differ at " << i << ": " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+double max_abs(const std::vector<double>& a) {
+  double m = 0;
+  for (double v : a) m = std::max(m, std::abs(v));
+  return m;
+}
+
+// Compare output and weights with the reference.
+template <class T>
+void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.c));
+  const auto want = p.reference();
+  const Result<T> got = run(p);
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.c.B, p.c.H, p.c.T, p.c.T}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+}
+
+}  // namespace dcmha_case

@@ -1,0 +1,181 @@
+// The talking_heads test problem (shape, random weights and inputs, the naive
+// double reference, running and comparing), shared by test_talking_heads.cpp and
+// the typed contract tests (tests/variants.hpp).
+#pragma once
+
+#include "headmix/headmix.hpp"
+#include "headmix/io/safetensors.hpp"
+#include "test_util.hpp"
+#include "reference/mha_reference.hpp"
+#include "reference/talking_heads_reference.hpp"
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+#include <gtest/gtest.h>
+
+namespace th_case {
+
+using namespace headmix_test;
+using headmix::Index;
+using headmix::Matrix;
+using headmix::Tensor;
+
+// ---------------------------------------------------------------------------
+// Random problems
+
+/// One test problem. Self-attention forces S = T and Dkv = D. A missing mix
+/// needs equal head counts on its two sides; make_problem enforces that.
+struct Shape {
+  int B = 2, T = 5, S = 5, D = 8, Dkv = 8, Hk = 2, H = 3, Hv = 2, Dk = 4, Dv = 3, out = 8;
+  bool pre = true, post = true;
+  bool cross = false;
+  bool bias = true;
+  bool out_proj = true;
+  bool causal = false;
+  long offset = 0;
+  long window = 0;   // sliding window (with causal); 0 means none
+  double pad_rate = 0;
+  double scale = 0;  // 0: the default 1/sqrt(Dk)
+  Index block_rows = 16;
+  int threads = 1;
+
+  int out_dim() const { return out_proj ? out : Hv * Dv; }
+};
+
+std::string describe(const Shape& s) {
+  std::ostringstream o;
+  o << "B=" << s.B << " T=" << s.T << " S=" << s.S << " D=" << s.D << " Dkv=" << s.Dkv << " Hk=" << s.Hk
+    << " H=" << s.H << " Hv=" << s.Hv << " Dk=" << s.Dk << " Dv=" << s.Dv
+    << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " pre=" << s.pre << " post=" << s.post
+    << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
+    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " scale=" << s.scale
+    << " block_rows=" << s.block_rows << " threads=" << s.threads;
+  return o.str();
+}
+
+template <class T>
+headmix_ref::RefThLinear to_ref(const headmix::Linear<T>& lin) {
+  return ref_linear_as<headmix_ref::RefThLinear>(lin);
+}
+
+template <class T>
+headmix_ref::RefMix to_ref_mix(const Matrix<T>& m) {
+  return {static_cast<int>(m.rows()), static_cast<int>(m.cols()), widen(m)};
+}
+
+template <class T>
+headmix_ref::RefThBatch to_ref_batch(const Matrix<T>& m, int batch) {
+  return ref_batch_as<headmix_ref::RefThBatch>(m, batch);
+}
+
+template <class T>
+struct Problem {
+  Shape s;
+  headmix::TalkingHeadsWeights<T> w;
+  Matrix<T> xq;                       // [B*T, D]
+  Matrix<T> xk;                       // [B*S, Dkv]; unused for self-attention
+  std::vector<std::uint8_t> padding;  // [B, S] or empty
+
+  headmix::TalkingHeadsOptions options() const {
+    headmix::TalkingHeadsOptions o;
+    o.num_heads = s.H;
+    o.key_heads = s.Hk;
+    o.value_heads = s.Hv;
+    o.causal = s.causal;
+    o.causal_offset = s.offset;
+    o.window = s.window;
+    if (s.scale != 0) o.scale = s.scale;
+    o.block_rows = s.block_rows;
+    o.threads = s.threads;
+    return o;
+  }
+  headmix::TalkingHeads<T> layer() const { return headmix::TalkingHeads<T>(w, options()); }
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
+    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
+    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
+    return in;
+  }
+  headmix_ref::RefThResult reference() const {
+    headmix_ref::RefThWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o), to_ref_mix(w.pre_softmax),
+                                 to_ref_mix(w.post_softmax)};
+    headmix_ref::RefThOptions ro;
+    ro.key_heads = s.Hk, ro.heads = s.H, ro.value_heads = s.Hv;
+    ro.causal = s.causal;
+    ro.causal_offset = s.offset;
+    ro.window = s.window;
+    ro.scale = s.scale;
+    const headmix_ref::RefThBatch q = to_ref_batch(xq, s.B);
+    if (!s.cross) return headmix_ref::talking_heads_reference(rw, ro, q, nullptr, padding);
+    const headmix_ref::RefThBatch k = to_ref_batch(xk, s.B);
+    return headmix_ref::talking_heads_reference(rw, ro, q, &k, padding);
+  }
+};
+
+// Mixing weights in [-1, 1]: rows of either sign of sum, as the spec warns.
+template <class T>
+Problem<T> make_problem(Shape s, unsigned seed) {
+  if (!s.cross) s.S = s.T, s.Dkv = s.D;
+  if (!s.pre) s.Hk = s.H;
+  if (!s.post) s.Hv = s.H;
+  Rng rng(seed);
+  Problem<T> p;
+  p.s = s;
+  p.w.q = random_linear<T>(rng, s.Hk * s.Dk, s.D, s.bias);
+  p.w.k = random_linear<T>(rng, s.Hk * s.Dk, s.Dkv, s.bias);
+  p.w.v = random_linear<T>(rng, s.Hv * s.Dv, s.Dkv, s.bias);
+  if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.Hv * s.Dv, s.bias);
+  if (s.pre) p.w.pre_softmax = random_matrix<T>(rng, s.H, s.Hk, 1.0);
+  if (s.post) p.w.post_softmax = random_matrix<T>(rng, s.Hv, s.H, 1.0);
+  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
+  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
+  if (s.pad_rate > 0) {
+    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
+    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------------------
+// Running and comparing
+
+template <class T>
+struct Result {
+  Tensor<T> out, probs;
+};
+
+template <class T>
+Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
+  Result<T> r;
+  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
+  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
+  return r;
+}
+
+template <class T>
+Result<T> run(const Problem<T>& p) {
+  headmix::Workspace<T> ws;
+  return run(p, ws);
+}
+
+template <class T>
+void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
+  SCOPED_TRACE(describe(p.s));
+  const Result<T> got = run(p);
+  const headmix_ref::RefThResult want = p.reference();
+  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
+  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.Hv, p.s.T, p.s.S}));
+  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
+  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
+}
+
+}  // namespace th_case
