@@ -829,7 +829,8 @@ TEST(Decoding, GroupedQueryCacheHoldsOnlyKvHeads) {
           EXPECT_NEAR(c < dk ? key(0, c) : value(0, c - dk), expect, 1e-12) << "item " << b << " head " << g << " col " << c;
         }
       }
-    EXPECT_EQ(cache.stream(0).size() + cache.stream(1).size(), B * cap * kv_heads * (dk + dv)) << kv_heads;
+    EXPECT_EQ(cache.stream(0).size() + cache.stream(1).size(), B * kv_heads * (cache.transposed_stride() * dk + cap * dv))
+        << kv_heads;
     if (kv_heads == 2) layer.step(x.batch(), two_groups, y.batch(), ws);
     if (kv_heads == 1) {
       EXPECT_THROW(layer.step(x.batch(), two_groups, y.batch(), ws), shape_error);

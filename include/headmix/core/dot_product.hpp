@@ -3,9 +3,10 @@
 //
 // Q is a row-major [rows, heads · dim] buffer, batch item b's rows starting
 // at row b · queries. K and V are the same, with key_stride rows per item
-// (S), or head-major (head_major_kv): K_hᵀ [B, heads, dk, key_stride] and
-// V_h [B, heads, key_stride, dv], as packed() copies them and a decoding
-// cache stores them (sequence_cache.hpp; key_stride = its capacity). Grouped-query
+// (S), or head-major (head_major_kv): K_hᵀ [B, heads, dk, kt_stride] and
+// V_h [B, heads, key_stride, dv], as packed() copies them (kt_stride =
+// key_stride = S) and a decoding cache stores them (sequence_cache.hpp;
+// key_stride = its capacity, kt_stride its padded stride). Grouped-query
 // attention maps heads onto fewer stored K/V heads in contiguous groups:
 // score head a reads K head a / k_group, value head c reads V head
 // c / v_group (groups of 1: one K/V head per head).
@@ -53,7 +54,8 @@ struct DotProductStages {
   Index dk = 0, dv = 0;
   Index k_group = 1, v_group = 1;               ///< score heads per K head, value heads per V head
   bool head_major_kv = false;                   ///< K and V as [B, heads, key_stride, dim]
-  const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, key_stride] (packed())
+  const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, kt_stride] (packed())
+  Index kt_stride = 0;                          ///< elements between rows of K_hᵀ (>= key_stride)
   using Half = Eigen::bfloat16;
   const Half* k_half = nullptr;                 ///< instead of kt and v, laid out alike in bfloat16 (reading())
   const Half* v_half = nullptr;
@@ -94,7 +96,7 @@ struct DotProductStages {
         MatrixMap<T>(vp + (b * v_heads + h - k_heads) * keys * dv, keys, dv) =
             kv_rows(v, v_heads, dv, b, h - k_heads, 0, keys);
     });
-    p.k = nullptr, p.kt = kp, p.v = vp, p.key_stride = keys, p.head_major_kv = true;
+    p.k = nullptr, p.kt = kp, p.v = vp, p.key_stride = p.kt_stride = keys, p.head_major_kv = true;
     return p;
   }
 
@@ -106,7 +108,8 @@ struct DotProductStages {
   DotProductStages reading(const SequenceCache<T>& cache, Workspace<T>& ws, int threads) const {
     HEADMIX_ASSERT(cache.transposed(0));
     DotProductStages p = *this;
-    p.key_stride = cache.capacity(), p.head_major_kv = true, p.k = p.kt = p.v = nullptr;
+    p.key_stride = cache.capacity(), p.kt_stride = cache.transposed_stride(), p.head_major_kv = true;
+    p.k = p.kt = p.v = nullptr;
     if (cache.is_half(0)) {
       p.k_half = cache.half_stream(0), p.v_half = cache.half_stream(1);
       ws.reserve_workers(std::max(1, threads));
@@ -139,16 +142,16 @@ struct DotProductStages {
                         int w) const {
     const Index cols = out.cols();
     if (kt) {
-      gemm(lhs, ConstStridedMap<T>(kt + (b * k_heads + h) * dk * key_stride + k0, dk, cols,
-                                   Eigen::OuterStride<>(key_stride)),
+      gemm(lhs, ConstStridedMap<T>(kt + (b * k_heads + h) * dk * kt_stride + k0, dk, cols,
+                                   Eigen::OuterStride<>(kt_stride)),
            out);
     } else if (k_half) {  // widened 64 KiB at a time, which the product then reads from L2
       const Index chunk = std::max<Index>(64, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / 64 * 64);
       T* keys_t = ws.local(w, slot::widened_key, dk * std::min(chunk, cols));
-      const Half* from = k_half + (b * k_heads + h) * dk * key_stride + k0;
+      const Half* from = k_half + (b * k_heads + h) * dk * kt_stride + k0;
       for (Index c0 = 0; c0 < cols; c0 += chunk) {
         const Index n = std::min(chunk, cols - c0);
-        for (Index d = 0; d < dk; ++d) widen_bfloat16(from + d * key_stride + c0, n, keys_t + d * n);
+        for (Index d = 0; d < dk; ++d) widen_bfloat16(from + d * kt_stride + c0, n, keys_t + d * n);
         gemm(lhs, ConstStridedMap<T>(keys_t, dk, n, Eigen::OuterStride<>(n)), out.middleCols(c0, n));
       }
     } else {

@@ -10,10 +10,12 @@
 // head's keys and values as one contiguous run, which the hardware
 // prefetchers stream at full bandwidth, instead of a head_dim slice of
 // every position's row. The K stream of the dot-product layers is stored
-// transposed per head, [batch][head][width / heads][capacity]: K_hᵀ, the
+// transposed per head, [batch][head][width / heads][stride]: K_hᵀ, the
 // operand a step's score product multiplies untransposed (as a forward's
 // packed K_hᵀ), so that it runs as a GEMM over contiguous key runs rather
-// than repacking every block of K.
+// than repacking every block of K. Its rows are transposed_stride()
+// apart, the capacity padded so that they do not fall in the same cache
+// sets (a 4 KiB multiple apart, a step's dk rows would evict each other).
 //
 // Half precision (CachePrecision::bfloat16): the K and V streams of the
 // dot-product layers (MHA, Talking-Heads, DCMHA) are stored as bfloat16,
@@ -114,10 +116,11 @@ class SequenceCache {
       half_streams_.resize(half_count_);
       for (std::size_t s = 0; s < widths.rank(); ++s) {
         heads_[s] = heads_of(s);
+        const Index size = batch_ * (transposed(s) ? transposed_stride() : capacity_) * widths[s];
         if (is_half(s))
-          half_streams_[s].resize(batch_ * capacity_ * widths[s]);
+          half_streams_[s].resize(size);
         else
-          streams_[s].resize(batch_ * capacity_ * widths[s]);
+          streams_[s].resize(size);
       }
       return;
     }
@@ -140,6 +143,12 @@ class SequenceCache {
   /// Whether stream s holds each head transposed, [width / heads, capacity]
   /// (the K stream of the dot-product layers).
   bool transposed(std::size_t s) const { return s == 0 && kv_count_ > 0; }
+  /// Elements between the rows of a transposed stream's heads: the
+  /// capacity, rounded up to 16 and moved off multiples of 512.
+  Index transposed_stride() const {
+    const Index n = (capacity_ + 15) / 16 * 16;
+    return n % 512 == 0 ? n + 16 : n;
+  }
   /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
   /// a full-precision stream bound with one head.
   MatrixMap<T> stream(std::size_t s, Index b) {
@@ -152,8 +161,9 @@ class SequenceCache {
     HEADMIX_ASSERT(!is_half(s));
     const Index dim = widths_[s] / heads_[s];
     using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-    return {streams_[s].data() + (b * heads_[s] + h) * capacity_ * dim, capacity_, dim,
-            transposed(s) ? Strides(1, capacity_) : Strides(dim, 1)};
+    const Index rows = transposed(s) ? transposed_stride() : capacity_;
+    return {streams_[s].data() + (b * heads_[s] + h) * rows * dim, capacity_, dim,
+            transposed(s) ? Strides(1, rows) : Strides(dim, 1)};
   }
   /// Write `rows` [n, width] (a projection's rows, heads side by side) at
   /// positions [at, at + n) of stream s of batch item b, in the stream's
@@ -163,10 +173,11 @@ class SequenceCache {
     const Index dim = widths_[s] / heads_[s], n = rows.rows();
     using Strided = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
     for (Index h = 0; h < heads_[s]; ++h) {
-      const Index head_start = (b * heads_[s] + h) * capacity_ * dim;
+      const Index extent = transposed(s) ? transposed_stride() : capacity_;  // positions' span per head
+      const Index head_start = (b * heads_[s] + h) * extent * dim;
       // Positions [at, at + n) of the head: rows, or columns when transposed.
       const Index first = head_start + (transposed(s) ? at : at * dim);
-      const Strided strides = transposed(s) ? Strided(1, capacity_) : Strided(dim, 1);
+      const Strided strides = transposed(s) ? Strided(1, extent) : Strided(dim, 1);
       if (is_half(s))
         Eigen::Map<Matrix<Half>, 0, Strided>(half_streams_[s].data() + first, n, dim, strides) =
             rows.middleCols(h * dim, dim).template cast<Half>();
@@ -175,10 +186,11 @@ class SequenceCache {
     }
   }
   /// Full-precision stream s for all batch items as one [batch * capacity,
-  /// width] block of memory (head-major streams: in head-major order).
+  /// width] block of memory (head-major streams: in head-major order; a
+  /// transposed one: [batch * transposed_stride(), width]).
   MatrixMap<T> stream(std::size_t s) {
     HEADMIX_ASSERT(!is_half(s));
-    return MatrixMap<T>(streams_[s].data(), batch_ * capacity_, widths_[s]);
+    return MatrixMap<T>(streams_[s].data(), batch_ * (transposed(s) ? transposed_stride() : capacity_), widths_[s]);
   }
   /// Stream s's memory, laid out as stream(s), read-only: full precision
   /// (stream_data) or bfloat16 (half_stream).
