@@ -163,6 +163,25 @@ class SequenceSplit {
     }
   }
 
+  /// The whole sequence [B, T, width] on every rank from each rank's shard
+  /// `mine` [B, rows(rank), width]: one all-gather of the shards padded to
+  /// max_rows, then (unless the padded blocks are already in order) place().
+  /// Scratch: the Workspace's shared slots first_slot, +1 and +2.
+  template <class T>
+  ConstBatchView<T> gather(const Communicator& comm, ConstBatchView<T> mine, Index width, Workspace<T>& ws,
+                           std::size_t first_slot) const {
+    const Index B = mine.batch(), n = max_rows(), P = processes_;
+    const BatchView<T> send(ws.shared(first_slot, B * n * width), B, n, width);
+    send.rows().setZero();  // the padding rows travel too
+    copy_rows(mine, 0, send, 0, mine.length());
+    T* blocks = ws.shared(first_slot + 1, B * P * n * width);  // [B, P, n, width]
+    comm.all_gather_blocks(send.data(), B, n * width, 1, blocks);
+    if (!causal_ && n * P == length_) return {blocks, B, length_, width};
+    const BatchView<T> x(ws.shared(first_slot + 2, B * length_ * width), B, length_, width);
+    place(BatchView<T>(blocks, B, P * n, width), x);
+    return x;
+  }
+
   /// A local forward's weights `part` [B, H, n, keys] into rows [at, at + n)
   /// and columns [first, first + keys) of this rank's rows of the weights,
   /// `mine` [B, H, max_rows, T].
@@ -277,7 +296,7 @@ class SequenceParallel {
                  {"key padding", !in.key_padding.empty()},
                  {"probs", probs != nullptr}});
     ws.shared(kLastSlot, 0);  // the slot list is as long as it gets: the local layer's slots never move ours
-    const ConstBatchView<T> x = gather(in.query, *split, ws);
+    const ConstBatchView<T> x = split->gather(comm_, in.query, embed_dim(), ws, kSendSlot);
     Tensor<T> mine, part;  // with probs: this rank's rows of the weights (zeros), one local forward's
     if (probs) mine.resize({B, probs_heads(), split->max_rows(), length});
     Tensor<T>* part_probs = probs ? &part : nullptr;
@@ -405,21 +424,6 @@ class SequenceParallel {
     return s;
   }
 
-  // The whole sequence [B, T, D] on every rank: one all-gather of the
-  // shards, each padded to max_rows, then (unless the padded blocks are
-  // already in order) each rank's chunks copied to their positions.
-  ConstBatchView<T> gather(ConstBatchView<T> mine, const SequenceSplit& s, Workspace<T>& ws) const {
-    const Index B = mine.batch(), D = embed_dim(), n = s.max_rows(), P = comm_.size();
-    const BatchView<T> send(ws.shared(kSendSlot, B * n * D), B, n, D);
-    send.rows().setZero();  // the padding rows travel too
-    SequenceSplit::copy_rows(mine, 0, send, 0, mine.length());
-    T* blocks = ws.shared(kGatherSlot, B * P * n * D);  // [B, P, n, D]
-    comm_.all_gather_blocks(send.data(), B, n * D, 1, blocks);
-    if (!s.causal() && n * P == s.length()) return {blocks, B, s.length(), D};
-    const BatchView<T> x(ws.shared(kSequenceSlot, B * s.length() * D), B, s.length(), D);
-    s.place(BatchView<T>(blocks, B, P * n, D), x);
-    return x;
-  }
 
   // The keys a causal chunk can see start at `first` (the window's first
   // key, else 0); query i of the chunk is at global c.start + i, so it sees

@@ -107,7 +107,7 @@ class SequenceParallelLsh {
                  {"key padding", !in.key_padding.empty()},
                  {"probs", probs != nullptr}});
     ws.shared(kLastSlot, 0);  // the slot list is as long as it gets: the local layer's slots never move ours
-    const ConstBatchView<T> x = gather(in.query, *split, ws);
+    const ConstBatchView<T> x = split->gather(comm_, in.query, embed_dim(), ws, kSendSlot);
     const SequenceSplit::Chunk rows = split->chunks(comm_.rank()).front();
     Tensor<T> mine, part;  // with probs: this rank's rows of the weights (zeros), forward_rows'
     if (probs) mine.resize({B, local_.num_heads(), split->max_rows(), length});
@@ -183,21 +183,6 @@ class SequenceParallelLsh {
     return s;
   }
 
-  // The whole sequence [B, T, D] on every rank: one all-gather of the
-  // shards, each padded to max_rows, then (unless they are equal and so
-  // already in order) each rank's rows copied to their positions.
-  ConstBatchView<T> gather(ConstBatchView<T> mine, const SequenceSplit& s, Workspace<T>& ws) const {
-    const Index B = mine.batch(), D = embed_dim(), n = s.max_rows(), P = comm_.size();
-    const BatchView<T> send(ws.shared(kSendSlot, B * n * D), B, n, D);
-    send.rows().setZero();  // the padding rows travel too
-    SequenceSplit::copy_rows(mine, 0, send, 0, mine.length());
-    T* blocks = ws.shared(kGatherSlot, B * P * n * D);  // [B, P, n, D]
-    comm_.all_gather_blocks(send.data(), B, n * D, 1, blocks);
-    if (n * P == s.length()) return {blocks, B, s.length(), D};
-    const BatchView<T> x(ws.shared(kSequenceSlot, B * s.length() * D), B, s.length(), D);
-    s.place(BatchView<T>(blocks, B, P * n, D), x);
-    return x;
-  }
 
   Communicator comm_;
   Local local_;
