@@ -136,8 +136,18 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   /// against the weights like the constructor does.
   void set_options(const DcmhaOptions& options) {
     validate(options);
+    // Repack the weights only when the heads' grouping or the branches
+    // change: a masking change (a sequence-parallel chunk's causal_offset,
+    // per call) allocates nothing.
+    const bool repack = options.num_heads != opt_.num_heads || options.groups != opt_.groups ||
+                        options.use_pre != opt_.use_pre || options.use_post != opt_.use_post ||
+                        options.query_wise != opt_.query_wise || options.key_wise != opt_.key_wise ||
+                        options.static_w != opt_.static_w;
     opt_ = options;
-    prepare();
+    if (repack)
+      prepare();
+    else
+      factors_.set_options(opt_);
   }
 
   /// Attention of the queries `in.query` [B, T, D] over the keys `in.key`

@@ -67,6 +67,9 @@ class DcmhaFactors {
       }
   }
 
+  /// Options that leave the packing as it is (threads, GELU form, epsilon).
+  void set_options(const DcmhaOptions& o) { opt_ = o; }
+
   /// Used slots c (0 pre/query, 1 pre/key, 2 post/query, 3 post/key).
   const std::vector<int>& slots() const { return slots_; }
 
