@@ -37,6 +37,7 @@
 #include <filesystem>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -81,10 +82,10 @@ void write_checkpoint(const std::string& path, const std::string& prefix, bool s
 }
 
 // The options the checkpoint's shapes imply (the layer checks them all again).
-headmix::DcmhaOptions options_of(const io::TensorFile& f, const std::string& prefix, int threads) {
-  const std::vector<Index>& qkw = f.at(prefix + "dc.qkw").shape;  // [G, 4, K, 2R, M]
-  const std::vector<Index>& q = f.at(prefix + "q.weight").shape;  // [H·dk, D]
-  const std::vector<Index>& k = f.at(prefix + "k.weight").shape;  // [Hkv·dk, D]
+headmix::DcmhaOptions options_of(const io::SafetensorsReader& f, const std::string& prefix, int threads) {
+  const std::vector<Index>& qkw = f.shape(prefix + "dc.qkw");  // [G, 4, K, 2R, M]
+  const std::vector<Index>& q = f.shape(prefix + "q.weight");  // [H·dk, D]
+  const std::vector<Index>& k = f.shape(prefix + "k.weight");  // [Hkv·dk, D]
   if (qkw.size() != 5 || q.size() != 2 || k.size() != 2)
     throw io::io_error(prefix + "dc.qkw, q.weight, k.weight: expected ranks 5, 2, 2");
   headmix::DcmhaOptions o;
@@ -96,8 +97,8 @@ headmix::DcmhaOptions options_of(const io::TensorFile& f, const std::string& pre
   o.static_w = f.contains(prefix + "dc.pre_w") || f.contains(prefix + "dc.post_w");
   o.use_pre = !o.static_w || f.contains(prefix + "dc.pre_w");
   o.use_post = !o.static_w || f.contains(prefix + "dc.post_w");
-  const auto config = f.metadata.find("config");
-  o.causal = config == f.metadata.end() || config->second.find("\"causal\": false") == std::string::npos;
+  const auto config = f.metadata().find("config");
+  o.causal = config == f.metadata().end() || config->second.find("\"causal\": false") == std::string::npos;
   o.threads = threads;
   return o;
 }
@@ -139,22 +140,27 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // Load, run, compare. Returns this rank's verdict.
 bool run(const Args& args, const hmpi::Communicator& comm) {
   const bool root = comm.rank() == 0;
-  // Every rank reads the file inside an agreement: a rank that cannot read
-  // it makes every rank throw, instead of leaving the others in from_tensors.
-  io::TensorFile file;
+  // Every rank opens the file inside an agreement: a rank that cannot read
+  // its header makes every rank throw, instead of leaving the others in
+  // from_tensors. The sharded load reads only this rank's slices of it.
+  std::optional<io::SafetensorsReader> file;
   headmix::DcmhaOptions opt;
   comm.agree("tensor_parallel", [&] {
-    file = io::load_safetensors(args.weights);
-    opt = options_of(file, args.prefix, args.threads);
+    file.emplace(args.weights);
+    opt = options_of(*file, args.prefix, args.threads);
   });
-  const auto sharded = hmpi::HeadParallelDcmha<float>::from_tensors(file, args.prefix, opt, comm);
-  const auto one = headmix::Dcmha<float>::from_tensors(file, args.prefix, opt);
-  file = {};  // the layers hold what they need
+  const auto sharded = hmpi::HeadParallelDcmha<float>::from_tensors(*file, args.prefix, opt, comm);
+  const std::uint64_t shard_bytes = file->bytes_read();
+  const auto one = headmix::Dcmha<float>::from_tensors(*file, args.prefix, opt);
+  std::uint64_t file_bytes = 0;
+  for (const auto& named : file->tensors) file_bytes += named.second.end - named.second.begin;
+  file.reset();  // the layers hold what they need
   const Index B = args.small ? 2 : 1, T = args.small ? 12 : 512, D = sharded.embed_dim(), P = comm.size();
   if (root)
     std::cout << "DCMHA, D " << D << ", " << sharded.num_heads() << " heads in " << opt.groups << " groups, "
               << (opt.causal ? "causal" : "not causal") << ", on " << P << " process(es): each holds "
-              << sharded.local().groups() << " groups (" << sharded.local_heads() << " heads), "
+              << sharded.local().groups() << " groups (" << sharded.local_heads() << " heads), read "
+              << shard_bytes << " of the checkpoint's " << file_bytes << " tensor bytes, computes "
               << sharded.flops(B, T, T).flops() / 1e9 << " of " << one.flops(B, T, T).flops() / 1e9
               << " GFLOP per call, and sends " << sharded.comm_bytes(B, T) << " bytes\n";
 

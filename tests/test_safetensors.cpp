@@ -794,4 +794,144 @@ TEST(Safetensors, RandomCorruptionParsesOrThrowsIoError) {
   }
 }
 
+// ---- reading on demand (SafetensorsReader) and sliced reads ----------------
+
+/// Bytes written to a temp file, removed with the object.
+struct TempFile {
+  std::filesystem::path path;
+  TempFile(const std::string& stem, const Bytes& bytes) : path(temp_path(stem)) {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  }
+  TempFile(const std::string& stem, const TensorFile& file) : path(temp_path(stem)) {
+    save_safetensors(path.string(), file);
+  }
+  ~TempFile() { std::filesystem::remove(path); }
+};
+
+// Element (i, j, k) of the [3, 4, 5] test tensor: exact in every float dtype.
+double element(Index i, Index j, Index k) { return double(16 * i + 4 * j + k) - 20; }
+
+TEST(SafetensorsReader, SlicesAreTheNaiveSlicesInEveryDType) {
+  const Index extent[3] = {3, 4, 5};
+  Tensor<double> t({3, 4, 5});
+  for (Index i = 0; i < 3; ++i)
+    for (Index j = 0; j < 4; ++j)
+      for (Index k = 0; k < 5; ++k) t[(i * 4 + j) * 5 + k] = element(i, j, k);
+  for (const DType dtype : {DType::F64, DType::F32, DType::F16, DType::BF16, DType::I16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    TensorFile file;
+    file.put("t", StoredTensor::from(t, dtype));
+    const TempFile saved("slices", file);
+    const SafetensorsReader reader(saved.path.string());
+    for (std::size_t axis = 0; axis < 3; ++axis) {
+      const Index e = extent[axis];
+      for (const auto& [first, count] : {std::pair<Index, Index>{0, e}, {1, 1}, {e - 2, 2}, {e, 0}, {1, e - 1}}) {
+        const std::uint64_t before = reader.bytes_read();
+        const Tensor<double> got = reader.get<double>("t", {axis, first, count});
+        std::vector<Index> shape = {3, 4, 5};
+        shape[axis] = count;
+        ASSERT_EQ(got.shape(), shape) << "axis " << axis << " [" << first << ", +" << count << ")";
+        EXPECT_EQ(reader.bytes_read() - before, std::uint64_t(got.size()) * dtype_size(dtype));
+        const Tensor<double> in_memory = file.get<double>("t", {axis, first, count});
+        Index n = 0;
+        for (Index i = 0; i < shape[0]; ++i)
+          for (Index j = 0; j < shape[1]; ++j)
+            for (Index k = 0; k < shape[2]; ++k, ++n) {
+              Index at[3] = {i, j, k};
+              at[axis] += first;
+              EXPECT_EQ(got[n], element(at[0], at[1], at[2])) << "axis " << axis << " element " << n;
+              EXPECT_EQ(in_memory[n], got[n]);
+            }
+      }
+    }
+    // Whole reads equal the in-memory file's.
+    EXPECT_EQ(reader.get<float>("t").shape(), file.get<float>("t").shape());
+    const Tensor<double> whole = reader.get<double>("t");
+    for (Index n = 0; n < whole.size(); ++n) EXPECT_EQ(whole[n], t[n]);
+  }
+}
+
+TEST(SafetensorsReader, MatrixAndVectorSlices) {
+  TensorFile file;
+  file.put("m", StoredTensor::from(tensor_of({2, 3}, {1, 2, 3, 4, 5, 6}), DType::BF16));
+  file.put("v", StoredTensor::from(tensor_of({4}, {7, 8, 9, 10}), DType::F32));
+  file.metadata["format"] = "pt";
+  const TempFile saved("matrix", file);
+  const SafetensorsReader reader(saved.path.string());
+  EXPECT_EQ(reader.metadata(), file.metadata);
+  EXPECT_EQ(reader.shape("m"), (std::vector<Index>{2, 3}));
+  const headmix::Matrix<float> columns = reader.matrix<float>("m", {1, 1, 2});
+  ASSERT_EQ(columns.rows(), 2);
+  ASSERT_EQ(columns.cols(), 2);
+  EXPECT_EQ(columns(0, 0), 2);
+  EXPECT_EQ(columns(0, 1), 3);
+  EXPECT_EQ(columns(1, 0), 5);
+  EXPECT_EQ(columns(1, 1), 6);
+  const headmix::Matrix<double> row = reader.matrix<double>("m", {0, 1, 1});
+  EXPECT_EQ(row, file.matrix<double>("m").middleRows(1, 1));
+  const headmix::Vector<double> middle = reader.vector<double>("v", {0, 1, 2});
+  ASSERT_EQ(middle.size(), 2);
+  EXPECT_EQ(middle(0), 8);
+  EXPECT_EQ(middle(1), 9);
+  EXPECT_EQ(reader.vector<double>("v"), file.vector<double>("v"));
+  // load_safetensors reads through the same reader: the same bytes.
+  const TensorFile loaded = load_safetensors(saved.path.string());
+  EXPECT_EQ(loaded.at("m").bytes, file.at("m").bytes);
+  EXPECT_EQ(reader.stored("v").bytes, file.at("v").bytes);
+}
+
+TEST(SafetensorsReader, ErrorsNameTheTensorAndThePath) {
+  TensorFile file;
+  file.put("t", StoredTensor::from(tensor_of({2, 3}, {1, 2, 3, 4, 5, 300}), DType::I16));
+  const TempFile saved("errors", file);
+  const SafetensorsReader reader(saved.path.string());
+  const std::string path = saved.path.string();
+  auto message = [](auto&& read) -> std::string {
+    try {
+      read();
+    } catch (const std::exception& error) {
+      return error.what();
+    }
+    return "no error";
+  };
+  const std::string missing = message([&] { reader.get<double>("absent"); });
+  EXPECT_NE(missing.find(path), std::string::npos) << missing;
+  EXPECT_NE(missing.find("missing tensor 'absent'"), std::string::npos) << missing;
+  EXPECT_THROW(reader.get<double>("absent"), io_error);
+  // Reads of the wrong rank and slices outside the tensor: shape_error, as TensorFile's.
+  EXPECT_THROW(reader.vector<double>("t"), headmix::shape_error);
+  EXPECT_THROW(file.vector<double>("t"), headmix::shape_error);
+  for (const headmix::AxisSlice bad : {headmix::AxisSlice{2, 0, 1}, headmix::AxisSlice{0, 1, 2},
+                                       headmix::AxisSlice{1, -1, 1}, headmix::AxisSlice{1, 0, -1}}) {
+    EXPECT_THROW(reader.get<double>("t", bad), headmix::shape_error) << bad.axis << " " << bad.first << " " << bad.count;
+    EXPECT_THROW(file.get<double>("t", bad), headmix::shape_error);
+  }
+  const std::string outside = message([&] { reader.matrix<double>("t", {0, 1, 2}); });
+  EXPECT_NE(outside.find("axis 0 holds entries [1, 3)"), std::string::npos) << outside;
+  // A value that does not fit the type: io_error naming the path; the slice
+  // without it reads.
+  const std::string narrow = message([&] { reader.get<std::int8_t>("t"); });
+  EXPECT_NE(narrow.find(path), std::string::npos) << narrow;
+  EXPECT_EQ(reader.get<std::int8_t>("t", {1, 0, 2}).size(), 4);
+  // The file shrinks after it was opened.
+  std::filesystem::resize_file(saved.path, std::filesystem::file_size(saved.path) - 2);
+  const std::string shrank = message([&] { reader.get<double>("t"); });
+  EXPECT_NE(shrank.find(path), std::string::npos) << shrank;
+  EXPECT_THROW(reader.get<double>("t"), io_error);
+}
+
+TEST(SafetensorsReader, RefusesWhatTheParserRefuses) {
+  for (const HostileCase& hostile : hostile_cases()) {
+    SCOPED_TRACE(hostile.name);
+    const TempFile saved("hostile", hostile.file);
+    EXPECT_THROW(SafetensorsReader(saved.path.string()), io_error);
+  }
+  const TempFile valid("valid", valid_file());
+  const SafetensorsReader reader(valid.path.string());
+  const TensorFile parsed = parse(valid_file());
+  EXPECT_EQ(reader.tensors.size(), parsed.tensors.size());
+  for (const auto& [name, tensor] : parsed.tensors) EXPECT_EQ(reader.stored(name).bytes, tensor.bytes) << name;
+}
+
 }  // namespace

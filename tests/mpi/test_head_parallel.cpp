@@ -13,6 +13,7 @@
 // loops (DCMHA's one-process layer is, in test_dcmha.cpp).
 
 #include "mpi/mpi_test_util.hpp"
+#include "mpi/sharded_checkpoint.hpp"
 #include "test_util.hpp"
 
 #include "headmix/io/safetensors.hpp"
@@ -451,18 +452,10 @@ TYPED_TEST(HeadParallelDcmhaTest, CommBytesAndFlops) {
 template <class T, class Weights>
 headmix::io::TensorFile checkpoint(const Weights& w, const std::string& prefix) {
   headmix::io::TensorFile file;
-  auto put = [&](const std::string& name, const auto& m) {
-    const bool vector = std::decay_t<decltype(m)>::ColsAtCompileTime == 1;
-    Tensor<T> t(vector ? std::vector<Index>{m.rows()} : std::vector<Index>{m.rows(), m.cols()});
-    std::copy(m.data(), m.data() + m.size(), t.data());
-    file.put(prefix + name, headmix::io::StoredTensor::from(t));
-  };
-  for (const auto& [name, lin] : {std::pair<const char*, const headmix::Linear<T>*>{"q", &w.q}, {"k", &w.k},
-                                  {"v", &w.v}, {"o", &w.o}}) {
-    if (lin->empty()) continue;
-    put(std::string(name) + ".weight", lin->weight);
-    if (lin->has_bias()) put(std::string(name) + ".bias", lin->bias);
-  }
+  put_linear(file, prefix + "q", w.q);
+  put_linear(file, prefix + "k", w.k);
+  put_linear(file, prefix + "v", w.v);
+  put_linear(file, prefix + "o", w.o);
   return file;
 }
 
@@ -472,7 +465,7 @@ headmix::io::TensorFile checkpoint(const headmix::DcmhaWeights<T>& w, const std:
   headmix::io::TensorFile file = checkpoint<T, headmix::DcmhaWeights<T>>(w, prefix);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor<T>*>{"dc.dw1", &w.dw1}, {"dc.qkw", &w.qkw},
                                 {"dc.dd", &w.dd}, {"dc.pre_w", &w.pre_w}, {"dc.post_w", &w.post_w}})
-    if (t->rank() != 0) file.put(prefix + name, headmix::io::StoredTensor::from(*t));
+    if (t->rank() != 0) put(file, prefix + name, *t);
   return file;
 }
 
@@ -487,6 +480,15 @@ TYPED_TEST(HeadParallelMhaTest, FromTensorsEqualsShardedWeights) {
   EXPECT_TRUE(loaded.local().weights().v.weight == direct.local().weights().v.weight);
 }
 
+// Every tensor but o's bias is split: a rank reads a P-th of each.
+TYPED_TEST(HeadParallelMhaTest, FromTensorsReadsOnlyItsShard) {
+  using T = TypeParam;
+  for_each_case<T>(kCases, 510, [](const Case&, const Problem<T>& p, const auto&, const auto&) {
+    expect_loads_only_its_shard<HeadParallelMha<T>>(p.w, p.opt, checkpoint<T>(p.w, "layer.1.attn."), "layer.1.attn.",
+                                                    {"o.bias"}, p.input());
+  });
+}
+
 TYPED_TEST(HeadParallelDcmhaTest, FromTensorsEqualsShardedWeights) {
   using T = TypeParam;
   const DcmhaProblem<T> p = make_problem<T>(kDcmhaCases[0], 501);  // static terms
@@ -496,6 +498,15 @@ TYPED_TEST(HeadParallelDcmhaTest, FromTensorsEqualsShardedWeights) {
   headmix::Workspace<T> ws;
   EXPECT_TRUE(bit_identical("output", loaded.forward(p.input(), ws), direct.forward(p.input(), ws)));
   EXPECT_TRUE(bit_identical("dc.qkw", loaded.local().weights().qkw, direct.local().weights().qkw));
+}
+
+// The dc.* tensors are split by groups, the projections by heads.
+TYPED_TEST(HeadParallelDcmhaTest, FromTensorsReadsOnlyItsShard) {
+  using T = TypeParam;
+  for_each_case<T>(kDcmhaCases, 520, [](const DcmhaCase&, const auto& p, const auto&, const auto&) {
+    expect_loads_only_its_shard<HeadParallelDcmha<T>>(p.w, p.opt, checkpoint<T>(p.w, "blocks.2.attn."),
+                                                      "blocks.2.attn.", {"o.bias"}, p.input());
+  });
 }
 
 TEST(HeadParallelMhaErrors, HeadsThatDoNotShard) {
@@ -525,12 +536,28 @@ TEST(HeadParallelMhaErrors, CheckpointThatLacksASlice) {
   const Problem<double> p = make_problem<double>(kCases[1], 601);
   const Communicator comm(MPI_COMM_WORLD);
   // k.weight stored for one KV head fewer: the last rank's slice is missing.
+  // The error is the one-process layer's, from the file and from memory.
   headmix::MhaWeights<double> w = p.w;
   w.k.weight.conservativeResize(w.k.weight.rows() - kDk, Eigen::NoChange);
   auto file = checkpoint<double>(w, "attn.");
+  const std::string one_process = thrown([&] { headmix::Mha<double>::from_tensors(file, "attn.", p.opt); }).second;
   expect_error_everywhere(
       "shape_error", -1, [&] { HeadParallelMha<double>::from_tensors(file, "attn.", p.opt, comm); },
-      {"attn.k.weight"});
+      {one_process});
+  const SavedCheckpoint saved(file, "lacks_a_slice");
+  const headmix::io::SafetensorsReader reader(saved.path());
+  expect_error_everywhere(
+      "shape_error", -1, [&] { HeadParallelMha<double>::from_tensors(reader, "attn.", p.opt, comm); },
+      {one_process});
+  // A bias one entry short, whose extent no longer splits over P: the
+  // one-process message again.
+  w = p.w;
+  w.q.bias.conservativeResize(w.q.bias.size() - 1);
+  file = checkpoint<double>(w, "attn.");
+  const std::string short_bias = thrown([&] { headmix::Mha<double>::from_tensors(file, "attn.", p.opt); }).second;
+  EXPECT_NE(short_bias.find("attn.q.bias"), std::string::npos) << short_bias;
+  expect_error_everywhere(
+      "shape_error", -1, [&] { HeadParallelMha<double>::from_tensors(file, "attn.", p.opt, comm); }, {short_bias});
   // A missing tensor.
   file = checkpoint<double>(p.w, "attn.");
   file.tensors.erase("attn.v.weight");

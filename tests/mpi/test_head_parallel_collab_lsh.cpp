@@ -20,6 +20,7 @@
 #include "headmix/mpi/head_parallel_collab.hpp"
 #include "headmix/mpi/head_parallel_lsh.hpp"
 #include "mpi/mpi_test_util.hpp"
+#include "mpi/sharded_checkpoint.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -218,6 +219,52 @@ TYPED_TEST(HeadParallelCollabTest, CommBytesAndFlops) {
   });
 }
 
+// A full CollabHead checkpoint under `prefix`.
+template <class T>
+headmix::io::TensorFile checkpoint(const headmix::CollabHeadWeights<T>& w, const std::string& prefix) {
+  headmix::io::TensorFile file;
+  put(file, prefix + "q.weight", w.q);
+  put(file, prefix + "k.weight", w.k);
+  put(file, prefix + "mixing", w.mixing);
+  if (w.content_bias.size() != 0) put(file, prefix + "content_bias.weight", w.content_bias);
+  put_linear(file, prefix + "v", w.v);
+  put_linear(file, prefix + "o", w.o);
+  if (w.layer_norm.weight.size() != 0) {
+    put(file, prefix + "layer_norm.weight", w.layer_norm.weight);
+    put(file, prefix + "layer_norm.bias", w.layer_norm.bias);
+  }
+  return file;
+}
+
+// The shared q and k, o's bias and the LayerNorm are read whole; mixing,
+// content_bias, v and o are split by heads.
+TYPED_TEST(HeadParallelCollabTest, FromTensorsReadsOnlyItsShard) {
+  using T = TypeParam;
+  for_each_case<T>(950, [](const Case&, const auto& p, const auto&, const auto&) {
+    expect_loads_only_its_shard<HeadParallelCollabHead<T>>(
+        p.w, p.opt, checkpoint(p.w, "enc.attn."), "enc.attn.",
+        {"q.weight", "k.weight", "o.bias", "layer_norm.weight", "layer_norm.bias"}, p.input());
+  });
+}
+
+// The LayerNorm, read apart from the local layer, is checked as one process
+// checks it: the same message on every rank.
+TEST(HeadParallelCollabErrors, CheckpointLayerNormOfTheWrongWidth) {
+  for (const Case& c : {kCases[3], kCases[4]}) {
+    SCOPED_TRACE(c.name);
+    Problem<double> p = make_problem<double>(c, 960);
+    p.w.layer_norm.bias.conservativeResize(p.w.layer_norm.bias.size() - 1);
+    const auto file = checkpoint(p.w, "attn.");
+    const std::string one_process =
+        thrown([&] { headmix::CollabHead<double>::from_tensors(file, "attn.", p.opt); }).second;
+    EXPECT_NE(one_process.find("attn.layer_norm.bias"), std::string::npos) << one_process;
+    expect_error_everywhere(
+        "shape_error", -1,
+        [&] { HeadParallelCollabHead<double>::from_tensors(file, "attn.", p.opt, Communicator(MPI_COMM_WORLD)); },
+        {one_process});
+  }
+}
+
 TEST(HeadParallelCollabErrors, SetOptionsKeepsTheFullLayersScale) {
   const Problem<double> p = make_problem<double>(kCases[0], 400);
   HeadParallelCollabHead<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
@@ -400,6 +447,24 @@ TYPED_TEST(HeadParallelLshTest, ForwardEqualsOneProcess) {
     const headmix::FlopCount f = sharded.flops(kBatch, kLength, kLength), f1 = one.flops(kBatch, kLength, kLength);
     EXPECT_EQ(sum_over_ranks(f.projection_macs), f1.projection_macs);
     EXPECT_EQ(sum_over_ranks(f.attention_macs), f1.attention_macs);
+  }
+}
+
+// The rotations and o's bias are read whole; qk, v and o split by heads.
+TYPED_TEST(HeadParallelLshTest, FromTensorsReadsOnlyItsShard) {
+  using T = TypeParam;
+  unsigned seed = 550;
+  for (const LshCase& c : kLshCases) {
+    SCOPED_TRACE(c.name);
+    const LshProblem p = make_lsh_problem(c, seed++);
+    const headmix::LshWeights<T> w = narrowed<T>(p.w);
+    headmix::io::TensorFile file;
+    put_linear(file, "attn.qk", w.qk);
+    put_linear(file, "attn.v", w.v);
+    put_linear(file, "attn.o", w.o);
+    if (w.rotations.rank() != 0) put(file, "attn.rotations", w.rotations);
+    const Tensor<T> x = narrowed<T>(p.x);
+    expect_loads_only_its_shard<HeadParallelLsh<T>>(w, p.opt, file, "attn.", {"o.bias", "rotations"}, lsh_input(p, x));
   }
 }
 

@@ -152,4 +152,13 @@ class Tensor {
   std::vector<T, Eigen::aligned_allocator<T>> data_;
 };
 
+/// Entries [first, first + count) along one axis of a tensor, the other
+/// axes whole: the part of a checkpoint tensor one process of a sharded
+/// layer reads (rows of a projection, columns of the output projection).
+struct AxisSlice {
+  std::size_t axis = 0;
+  Index first = 0;
+  Index count = 0;
+};
+
 }  // namespace headmix

@@ -34,6 +34,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -42,6 +43,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -170,6 +172,14 @@ struct StoredTensor {
   }
 };
 
+/// Where a tensor lies in a file: its dtype, shape and byte range in the
+/// data buffer (checked against each other when the header is read).
+struct TensorInfo {
+  DType dtype = DType::F64;
+  std::vector<Index> shape;
+  std::uint64_t begin = 0, end = 0;
+};
+
 /// The tensors and metadata of one file, by name.
 struct TensorFile {
   std::map<std::string, StoredTensor> tensors;
@@ -182,6 +192,7 @@ struct TensorFile {
     if (found == tensors.end()) throw io_error("missing tensor " + detail::quote_name(name));
     return found->second;
   }
+  const std::vector<Index>& shape(const std::string& name) const { return at(name).shape; }
   template <class T>
   headmix::Tensor<T> get(const std::string& name) const;
   /// A rank-2 tensor as a row-major [rows, cols] matrix; shape_error otherwise.
@@ -190,9 +201,21 @@ struct TensorFile {
   /// A rank-1 tensor as a vector; shape_error otherwise.
   template <class T>
   headmix::Vector<T> vector(const std::string& name) const;
+  /// The same, decoding only `part` (shape_error if it is outside the tensor).
+  template <class T>
+  headmix::Tensor<T> get(const std::string& name, const headmix::AxisSlice& part) const;
+  template <class T>
+  headmix::Matrix<T> matrix(const std::string& name, const headmix::AxisSlice& part) const;
+  template <class T>
+  headmix::Vector<T> vector(const std::string& name, const headmix::AxisSlice& part) const;
   /// Insert or replace; io_error if the name is "__metadata__" or the bytes
   /// do not match dtype and shape.
   void put(const std::string& name, StoredTensor t);
+
+ private:
+  /// `part` (nullptr: all) of tensor `name` of rank `rank` (0: any) as Result.
+  template <class Result>
+  Result read(const std::string& name, std::size_t rank, const headmix::AxisSlice* part) const;
 };
 
 namespace detail {
@@ -433,15 +456,12 @@ void decode_small_floats(const unsigned char* source, Index count, T* out, Decod
   }
 }
 
-/// Convert every element of `t` into `out` (numel elements). The caller has
-/// run check_consistent, which it needs before sizing `out` anyway.
+/// Convert `count` elements stored as `dtype` at `source` into `out`.
 template <class T>
-void decode_into(const StoredTensor& t, T* out, const std::string& context) {
+void decode_range(DType dtype, const unsigned char* source, Index count, T* out, const std::string& context) {
   static_assert(std::is_arithmetic_v<T> && !std::is_same_v<T, bool>,
                 "read tensors as an arithmetic type other than bool (Tensor<bool> is std::vector<bool>)");
-  const Index count = t.numel();
-  const unsigned char* source = t.bytes.data();
-  switch (t.dtype) {
+  switch (dtype) {
     case DType::F64: return decode_elements<double>(source, count, out, context);
     case DType::F32: return decode_elements<float>(source, count, out, context);
     case DType::F16: return decode_small_floats(source, count, out, f16_bits_to_float, context);
@@ -456,6 +476,72 @@ void decode_into(const StoredTensor& t, T* out, const std::string& context) {
       for (Index i = 0; i < count; ++i) out[i] = source[i] != 0 ? T(1) : T(0);
       return;
   }
+}
+
+/// Convert every element of `t` into `out` (numel elements). The caller has
+/// run check_consistent, which it needs before sizing `out` anyway.
+template <class T>
+void decode_into(const StoredTensor& t, T* out, const std::string& context) {
+  decode_range(t.dtype, t.bytes.data(), t.numel(), out, context);
+}
+
+/// Where an AxisSlice lies in a row-major tensor: `runs` contiguous runs of
+/// `run` elements, run i starting at element `start + i·stride`.
+struct SliceLayout {
+  std::vector<Index> shape;  ///< the slice's own shape
+  Index runs = 0, run = 0, start = 0, stride = 0;
+};
+
+/// The layout of `part` of a tensor `name` of `shape`; shape_error when the
+/// axis or the range is not in the tensor. The tensor's own size is checked.
+inline SliceLayout slice_layout(const std::string& name, const std::vector<Index>& shape, DType dtype,
+                                const headmix::AxisSlice* part) {
+  const Index numel = checked_numel(shape, dtype, tensor_context(name));
+  SliceLayout layout;
+  layout.shape = shape;
+  if (part == nullptr) {  // the whole tensor: one run
+    layout.runs = numel == 0 ? 0 : 1;
+    layout.run = numel;
+    return layout;
+  }
+  const bool inside = part->axis < shape.size() && part->first >= 0 && part->count >= 0 &&
+                      part->first <= shape[part->axis] - part->count;
+  if (!inside)
+    headmix::detail::throw_shape("io", name,
+                                 "a tensor whose axis " + std::to_string(part->axis) + " holds entries [" +
+                                     std::to_string(part->first) + ", " + std::to_string(part->first + part->count) +
+                                     ")",
+                                 headmix::detail::format_shape(shape));
+  layout.shape[part->axis] = part->count;
+  Index outer = 1, inner = 1;
+  for (std::size_t a = 0; a < part->axis; ++a) outer *= shape[a];
+  for (std::size_t a = part->axis + 1; a < shape.size(); ++a) inner *= shape[a];
+  layout.runs = part->count == 0 || inner == 0 ? 0 : outer;
+  layout.run = part->count * inner;
+  layout.start = part->first * inner;
+  layout.stride = shape[part->axis] * inner;
+  return layout;
+}
+
+/// A Tensor, Matrix or Vector of `shape` (whose rank the caller checked).
+template <class T>
+headmix::Tensor<T> sized(const std::vector<Index>& shape, headmix::Tensor<T>*) {
+  return headmix::Tensor<T>(shape);
+}
+template <class T>
+headmix::Matrix<T> sized(const std::vector<Index>& shape, headmix::Matrix<T>*) {
+  return headmix::Matrix<T>(shape[0], shape[1]);
+}
+template <class T>
+headmix::Vector<T> sized(const std::vector<Index>& shape, headmix::Vector<T>*) {
+  return headmix::Vector<T>(shape[0]);
+}
+
+/// A matrix read needs a rank-2 tensor, a vector read a rank-1 one.
+inline void check_rank(const std::string& name, const std::vector<Index>& shape, std::size_t rank) {
+  if (shape.size() != rank)
+    headmix::detail::throw_shape("io", name, rank == 2 ? "a rank-2 tensor" : "a rank-1 tensor",
+                                 headmix::detail::format_shape(shape));
 }
 
 template <class Stored, class T>
@@ -736,17 +822,25 @@ inline void check_file_size(std::uint64_t file_size) {
     fail("file is " + std::to_string(file_size) + " bytes, shorter than the 8-byte header length");
 }
 
+/// Bytes a tensor takes in the data buffer (checked against its shape).
+inline std::uint64_t stored_bytes(const std::string& name, const StoredTensor& tensor) {
+  check_consistent(tensor, tensor_context(name));
+  return tensor.bytes.size();
+}
+inline std::uint64_t stored_bytes(const std::string&, const TensorInfo& info) { return info.end - info.begin; }
+
 /// The header text, padded with spaces so that the data buffer starts at a
-/// multiple of 8, and each tensor's begin offset, in name order.
-inline std::string build_header(const TensorFile& file) {
+/// multiple of 8, for `tensors` (a map from name to StoredTensor or
+/// TensorInfo) laid out back to back in name order.
+template <class Tensors>
+std::string build_header(const std::map<std::string, std::string>& metadata, const Tensors& tensors) {
   std::string header = "{";
   try {
-    if (!file.metadata.empty()) header += "\"__metadata__\":" + nlohmann::json(file.metadata).dump();
+    if (!metadata.empty()) header += "\"__metadata__\":" + nlohmann::json(metadata).dump();
     std::uint64_t offset = 0;
-    for (const auto& [name, tensor] : file.tensors) {
+    for (const auto& [name, tensor] : tensors) {
       if (name == "__metadata__") fail("a tensor may not be named \"__metadata__\"");
-      check_consistent(tensor, tensor_context(name));
-      const std::uint64_t end = offset + tensor.bytes.size();
+      const std::uint64_t end = offset + stored_bytes(name, tensor);
       const nlohmann::json entry = {
           {"dtype", dtype_name(tensor.dtype)}, {"shape", tensor.shape}, {"data_offsets", {offset, end}}};
       if (header.size() > 1) header += ',';
@@ -768,9 +862,10 @@ inline std::string build_header(const TensorFile& file) {
 /// written header lays the tensors out in name order, whose offsets can take
 /// more digits than the file's own (empty tensors at [0, 0], say), so a
 /// header just under the limit can come out over it: such a file is refused.
-inline void check_writable(const TensorFile& file) {
+template <class Tensors>
+void check_writable(const std::map<std::string, std::string>& metadata, const Tensors& tensors) {
   try {
-    (void)build_header(file);
+    (void)build_header(metadata, tensors);
   } catch (const io_error& error) {
     throw io_error(std::string(error.what()) + " when written back (tensors in name order)");
   }
@@ -827,35 +922,41 @@ StoredTensor StoredTensor::from(const headmix::Tensor<T>& t, DType stored) {
 
 template <class T>
 headmix::Tensor<T> TensorFile::get(const std::string& name) const {
-  const StoredTensor& stored = at(name);
-  const std::string context = detail::tensor_context(name);
-  detail::check_consistent(stored, context);
-  headmix::Tensor<T> result(stored.shape);
-  detail::decode_into(stored, result.data(), context);
-  return result;
+  return read<headmix::Tensor<T>>(name, 0, nullptr);
 }
-
 template <class T>
 headmix::Matrix<T> TensorFile::matrix(const std::string& name) const {
-  const StoredTensor& stored = at(name);
-  if (stored.shape.size() != 2)
-    headmix::detail::throw_shape("io", name, "a rank-2 tensor", headmix::detail::format_shape(stored.shape));
-  const std::string context = detail::tensor_context(name);
-  detail::check_consistent(stored, context);
-  headmix::Matrix<T> result(stored.shape[0], stored.shape[1]);
-  detail::decode_into(stored, result.data(), context);
-  return result;
+  return read<headmix::Matrix<T>>(name, 2, nullptr);
 }
-
 template <class T>
 headmix::Vector<T> TensorFile::vector(const std::string& name) const {
+  return read<headmix::Vector<T>>(name, 1, nullptr);
+}
+template <class T>
+headmix::Tensor<T> TensorFile::get(const std::string& name, const headmix::AxisSlice& part) const {
+  return read<headmix::Tensor<T>>(name, 0, &part);
+}
+template <class T>
+headmix::Matrix<T> TensorFile::matrix(const std::string& name, const headmix::AxisSlice& part) const {
+  return read<headmix::Matrix<T>>(name, 2, &part);
+}
+template <class T>
+headmix::Vector<T> TensorFile::vector(const std::string& name, const headmix::AxisSlice& part) const {
+  return read<headmix::Vector<T>>(name, 1, &part);
+}
+
+template <class Result>
+Result TensorFile::read(const std::string& name, std::size_t rank, const headmix::AxisSlice* part) const {
   const StoredTensor& stored = at(name);
-  if (stored.shape.size() != 1)
-    headmix::detail::throw_shape("io", name, "a rank-1 tensor", headmix::detail::format_shape(stored.shape));
+  if (rank != 0) detail::check_rank(name, stored.shape, rank);
   const std::string context = detail::tensor_context(name);
   detail::check_consistent(stored, context);
-  headmix::Vector<T> result(stored.shape[0]);
-  detail::decode_into(stored, result.data(), context);
+  const detail::SliceLayout layout = detail::slice_layout(name, stored.shape, stored.dtype, part);
+  Result result = detail::sized(layout.shape, static_cast<Result*>(nullptr));
+  const std::size_t size = dtype_size(stored.dtype);
+  for (Index i = 0; i < layout.runs; ++i)
+    detail::decode_range(stored.dtype, stored.bytes.data() + static_cast<std::size_t>(layout.start + i * layout.stride) * size,
+                         layout.run, result.data() + i * layout.run, context);
   return result;
 }
 
@@ -884,7 +985,7 @@ inline TensorFile parse_safetensors(const unsigned char* data, std::size_t size)
                         std::vector<unsigned char>(buffer + entry.begin, buffer + entry.end)};
     file.tensors.emplace(std::move(entry.name), std::move(tensor));
   }
-  detail::check_writable(file);
+  detail::check_writable(file.metadata, file.tensors);
   return file;
 }
 
@@ -980,41 +1081,142 @@ class InputFile {
 
 }  // namespace detail
 
-/// Read a file without holding it twice in memory: the header first, then
-/// each tensor's bytes straight into its StoredTensor.
-inline TensorFile load_safetensors(const std::string& path) {
-  try {
-    detail::InputFile in(path);
-    const std::uint64_t file_size = in.size();
-    detail::check_file_size(file_size);
-    unsigned char first8[8];
-    in.read(0, first8, 8);
-    const std::uint64_t header_length = detail::read_header_length(first8, file_size);
-    std::string header_text(static_cast<std::size_t>(header_length), '\0');
-    in.read(8, header_text.data(), header_text.size());
-    detail::ParsedHeader header =
-        detail::parse_header(header_text.data(), header_text.size(), file_size - 8 - header_length);
-    header_text = std::string();
-
-    TensorFile file;
-    file.metadata = std::move(header.metadata);
-    for (detail::HeaderEntry& entry : header.tensors) {
-      StoredTensor tensor{entry.dtype, std::move(entry.shape),
-                          std::vector<unsigned char>(static_cast<std::size_t>(entry.end - entry.begin))};
-      if (!tensor.bytes.empty()) in.read(8 + header_length + entry.begin, tensor.bytes.data(), tensor.bytes.size());
-      file.tensors.emplace(std::move(entry.name), std::move(tensor));
+/// A safetensors file opened for reading on demand. Opening reads and checks
+/// the header as load_safetensors does; tensor data is read only when asked
+/// for, and a sliced read (AxisSlice) reads only the slice's bytes, so a
+/// sharded layer's from_tensors holds just its own rows and columns. Reads
+/// are positioned (pread), so threads may share one reader. Errors are
+/// io_errors naming the path (shape_error for a read of the wrong rank or an
+/// out-of-range slice, as TensorFile's).
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(const std::string& path) : path_(path) {
+    try {
+      in_ = std::make_unique<detail::InputFile>(path);
+      const std::uint64_t file_size = in_->size();
+      detail::check_file_size(file_size);
+      unsigned char first8[8];
+      in_->read(0, first8, 8);
+      const std::uint64_t header_length = detail::read_header_length(first8, file_size);
+      std::string header_text(static_cast<std::size_t>(header_length), '\0');
+      in_->read(8, header_text.data(), header_text.size());
+      detail::ParsedHeader header =
+          detail::parse_header(header_text.data(), header_text.size(), file_size - 8 - header_length);
+      data_start_ = 8 + header_length;
+      metadata_ = std::move(header.metadata);
+      for (detail::HeaderEntry& entry : header.tensors)
+        tensors.emplace(std::move(entry.name), TensorInfo{entry.dtype, std::move(entry.shape), entry.begin, entry.end});
+      detail::check_writable(metadata_, tensors);
+    } catch (const io_error& error) {
+      throw io_error(path + ": " + error.what());
     }
-    detail::check_writable(file);
-    return file;
-  } catch (const io_error& error) {
-    throw io_error(path + ": " + error.what());
   }
+
+  /// The header's entries, by name (read-only in spirit: what a read returns
+  /// is checked against the entry, so editing one only breaks that read).
+  std::map<std::string, TensorInfo> tensors;
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool contains(const std::string& name) const { return tensors.count(name) != 0; }
+  /// io_error "<path>: missing tensor 'name'" when absent.
+  const TensorInfo& at(const std::string& name) const {
+    const auto found = tensors.find(name);
+    if (found == tensors.end()) throw io_error(path_ + ": missing tensor " + detail::quote_name(name));
+    return found->second;
+  }
+  const std::vector<Index>& shape(const std::string& name) const { return at(name).shape; }
+
+  /// Reads as TensorFile's (same conversions and errors), from the file.
+  template <class T>
+  headmix::Tensor<T> get(const std::string& name) const { return read<headmix::Tensor<T>>(name, 0, nullptr); }
+  template <class T>
+  headmix::Matrix<T> matrix(const std::string& name) const { return read<headmix::Matrix<T>>(name, 2, nullptr); }
+  template <class T>
+  headmix::Vector<T> vector(const std::string& name) const { return read<headmix::Vector<T>>(name, 1, nullptr); }
+  template <class T>
+  headmix::Tensor<T> get(const std::string& name, const headmix::AxisSlice& part) const {
+    return read<headmix::Tensor<T>>(name, 0, &part);
+  }
+  template <class T>
+  headmix::Matrix<T> matrix(const std::string& name, const headmix::AxisSlice& part) const {
+    return read<headmix::Matrix<T>>(name, 2, &part);
+  }
+  template <class T>
+  headmix::Vector<T> vector(const std::string& name, const headmix::AxisSlice& part) const {
+    return read<headmix::Vector<T>>(name, 1, &part);
+  }
+
+  /// Tensor `name` as stored (its raw bytes).
+  StoredTensor stored(const std::string& name) const {
+    const TensorInfo& info = at(name);
+    StoredTensor tensor{info.dtype, info.shape, std::vector<unsigned char>(static_cast<std::size_t>(info.end - info.begin))};
+    read_bytes(info.begin, tensor.bytes.data(), tensor.bytes.size());
+    return tensor;
+  }
+
+  /// Bytes of tensor data read so far (all threads), for checking that a
+  /// sharded load read only its slices.
+  std::uint64_t bytes_read() const { return bytes_read_->load(); }
+
+ private:
+  // Decoded in chunks, so a whole-tensor read holds at most this many raw
+  // bytes besides its result.
+  static constexpr std::size_t kChunkBytes = std::size_t{1} << 20;
+
+  void read_bytes(std::uint64_t offset, void* out, std::size_t count) const {
+    try {
+      if (count > 0) in_->read(data_start_ + offset, out, count);
+    } catch (const io_error& error) {
+      throw io_error(path_ + ": " + error.what());
+    }
+    *bytes_read_ += count;
+  }
+
+  template <class Result>
+  Result read(const std::string& name, std::size_t rank, const headmix::AxisSlice* part) const {
+    const TensorInfo& info = at(name);
+    if (rank != 0) detail::check_rank(name, info.shape, rank);
+    const std::string context = path_ + ": " + detail::tensor_context(name);
+    const detail::SliceLayout layout = detail::slice_layout(name, info.shape, info.dtype, part);
+    const std::size_t size = dtype_size(info.dtype);
+    if (info.end - info.begin != static_cast<std::uint64_t>(detail::checked_numel(info.shape, info.dtype, context)) * size)
+      throw io_error(context + ": its data_offsets do not match its shape");
+    Result result = detail::sized(layout.shape, static_cast<Result*>(nullptr));
+    const Index chunk = std::max<Index>(1, static_cast<Index>(kChunkBytes / size));
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(std::min(chunk, layout.run)) * size);
+    for (Index i = 0; i < layout.runs; ++i) {
+      for (Index done = 0; done < layout.run; done += chunk) {
+        const Index n = std::min(chunk, layout.run - done);
+        read_bytes(info.begin + static_cast<std::uint64_t>(layout.start + i * layout.stride + done) * size,
+                   bytes.data(), static_cast<std::size_t>(n) * size);
+        detail::decode_range(info.dtype, bytes.data(), n, result.data() + i * layout.run + done, context);
+      }
+    }
+    return result;
+  }
+
+  std::string path_;
+  std::unique_ptr<detail::InputFile> in_;
+  std::uint64_t data_start_ = 0;
+  std::map<std::string, std::string> metadata_;
+  std::unique_ptr<std::atomic<std::uint64_t>> bytes_read_ = std::make_unique<std::atomic<std::uint64_t>>(0);
+};
+
+/// Read a whole file without holding it twice in memory: the header first,
+/// then each tensor's bytes straight into its StoredTensor.
+inline TensorFile load_safetensors(const std::string& path) {
+  const SafetensorsReader reader(path);
+  TensorFile file;
+  file.metadata = reader.metadata();
+  for (const auto& named : reader.tensors) file.tensors.emplace(named.first, reader.stored(named.first));
+  return file;
 }
 
 /// The bytes of a safetensors file: metadata, then tensors in name order,
 /// laid out back to back after a header padded with spaces to a multiple of 8.
 inline std::vector<unsigned char> serialize_safetensors(const TensorFile& file) {
-  const std::string header = detail::build_header(file);
+  const std::string header = detail::build_header(file.metadata, file.tensors);
   std::string prefix;
   detail::append_u64_le(prefix, header.size());
   std::size_t total = prefix.size() + header.size();
@@ -1030,7 +1232,7 @@ inline std::vector<unsigned char> serialize_safetensors(const TensorFile& file) 
 
 /// Write a file, streaming the tensors rather than building it in memory.
 inline void save_safetensors(const std::string& path, const TensorFile& file) {
-  const std::string header = detail::build_header(file);
+  const std::string header = detail::build_header(file.metadata, file.tensors);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw io_error(path + ": cannot open for writing");
   std::string prefix;

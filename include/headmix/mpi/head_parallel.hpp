@@ -52,8 +52,10 @@
 #include <climits>
 #include <cstdint>
 #include <exception>
+#include <iterator>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -73,16 +75,107 @@ struct RowSplit {
 
 /// How a variant splits over ranks, specialised per variant: `kName`,
 /// `Options`, `check_split(options, P)` (the counts that must divide by P),
-/// `local_options(options, P)` (or `local_options(options, P, local)`),
+/// `local_options(options, rank, P)` (optionally also `local_options(options,
+/// rank, P, local)` for options whose defaults depend on the weights),
 /// `same_split(current, next)` (set_options may not move heads between
-/// ranks) and `slice(full, options, rank, P)`, which returns this rank's
-/// layer with its o columns and no o bias. Optionally `epilogue(full)`: an
-/// object with `empty()` and `apply(xq, y, out, threads)` (out ← f(xq, y)
-/// row by row, y scratch) run on the summed output, replicated.
+/// ranks), `slice(full, options, rank, P)`, which returns this rank's layer
+/// with its o columns and no o bias, and `kSplit`, the same split by tensor
+/// name for from_tensors (SplitTensor; tensors it does not list are read
+/// whole). Optionally `epilogue(full)`: an object with `empty()` and
+/// `apply(xq, y, out, threads)` (out ← f(xq, y) row by row, y scratch) run
+/// on the summed output, replicated; then also `read_epilogue(tensors,
+/// prefix, local, P, extra...)` for from_tensors, reading its tensors
+/// (`kAfterSum`, hidden from the local layer) whole.
 template <template <class> class Layer, class T>
 struct HeadShard;
 
+/// A checkpoint tensor that head-parallel layers split: rank r of P reads
+/// entries [r·n/P, (r+1)·n/P) along `axis`, n being its extent there.
+struct SplitTensor {
+  const char* name;  ///< relative to the layer's prefix
+  std::size_t axis;
+};
+
 namespace detail {
+
+/// The tensors a shard reads whole after the sum (Shard::kAfterSum, e.g.
+/// CollabHead's LayerNorm), hidden from its local layer; none by default.
+template <class Shard, class = void>
+struct after_sum_tensors {
+  static constexpr const char* const* names = nullptr;
+  static constexpr std::size_t count = 0;
+};
+template <class Shard>
+struct after_sum_tensors<Shard, std::void_t<decltype(Shard::kAfterSum)>> {
+  static constexpr const char* const* names = Shard::kAfterSum;
+  static constexpr std::size_t count = std::size(Shard::kAfterSum);
+};
+
+/// A FULL checkpoint seen as one rank's shard, for Local::from_tensors: the
+/// tensors of Shard::kSplit are read sliced (AxisSlice), those of
+/// Shard::kAfterSum are hidden, the others read whole. The source needs
+/// what io::TensorFile and io::SafetensorsReader have: contains,
+/// shape(name), matrix / vector / get<T>(name[, AxisSlice]) and the
+/// `tensors` map (so stray names are still refused). A split tensor whose
+/// extent is not a multiple of P is a shape_error (the caller then lets the
+/// one-process checks name it).
+template <class Shard, class Source>
+class ShardSource {
+ public:
+  ShardSource(const Source& full, std::string prefix, int rank, int P)
+      : tensors(full.tensors), full_(full), prefix_(std::move(prefix)), rank_(rank), P_(P) {}
+
+  const decltype(std::declval<const Source&>().tensors)& tensors;
+
+  bool contains(const std::string& name) const {
+    const std::string_view rest = relative(name);
+    for (std::size_t i = 0; i < after_sum_tensors<Shard>::count; ++i)
+      if (rest == after_sum_tensors<Shard>::names[i]) return false;
+    return full_.contains(name);
+  }
+  template <class T>
+  Matrix<T> matrix(const std::string& name) const {
+    const auto part = part_of(name);
+    return part ? full_.template matrix<T>(name, *part) : full_.template matrix<T>(name);
+  }
+  template <class T>
+  Vector<T> vector(const std::string& name) const {
+    const auto part = part_of(name);
+    return part ? full_.template vector<T>(name, *part) : full_.template vector<T>(name);
+  }
+  template <class T>
+  Tensor<T> get(const std::string& name) const {
+    const auto part = part_of(name);
+    return part ? full_.template get<T>(name, *part) : full_.template get<T>(name);
+  }
+
+ private:
+  // `name` past the prefix ("" for names outside it).
+  std::string_view relative(const std::string& name) const {
+    if (name.compare(0, prefix_.size(), prefix_) != 0) return {};
+    return std::string_view(name).substr(prefix_.size());
+  }
+
+  std::optional<AxisSlice> part_of(const std::string& name) const {
+    const std::string_view rest = relative(name);
+    for (const SplitTensor& split : Shard::kSplit) {
+      if (rest != split.name) continue;
+      const std::vector<Index>& shape = full_.shape(name);
+      const std::size_t axis = split.axis;
+      if (axis >= shape.size() || shape[axis] % P_ != 0)
+        headmix::detail::throw_shape(
+            "io", name, "axis " + std::to_string(axis) + " a multiple of the process count " + std::to_string(P_),
+            headmix::detail::format_shape(shape));
+      const Index n = shape[axis] / P_;
+      return AxisSlice{axis, rank_ * n, n};
+    }
+    return std::nullopt;
+  }
+
+  const Source& full_;
+  std::string prefix_;
+  int rank_, P_;
+};
 
 inline Index kv_heads_of(Index heads, Index kv_heads) { return kv_heads > 0 ? kv_heads : heads; }
 
@@ -118,9 +211,18 @@ template <class Shard, class Options, class Local, class = void>
 struct local_options_take_layer : std::false_type {};
 template <class Shard, class Options, class Local>
 struct local_options_take_layer<Shard, Options, Local,
-                                std::void_t<decltype(Shard::local_options(std::declval<const Options&>(), 1,
+                                std::void_t<decltype(Shard::local_options(std::declval<const Options&>(), 0, 1,
                                                                           std::declval<const Local&>()))>>
     : std::true_type {};
+
+/// The options of rank `rank`'s layer `local` for all-head `options`.
+template <class Shard, class Options, class Local>
+Options settled_local_options(const Options& options, int rank, int P, const Local& local) {
+  if constexpr (local_options_take_layer<Shard, Options, Local>::value)
+    return Shard::local_options(options, rank, P, local);
+  else
+    return Shard::local_options(options, rank, P);
+}
 
 /// No step after the sum (every variant but CollabHead with a LayerNorm).
 struct NoEpilogue {
@@ -132,11 +234,19 @@ template <class Shard, class Local, class = void>
 struct epilogue_of {
   using type = NoEpilogue;
   static type from(const Local&) { return {}; }
+  template <class Source, class... Extra>
+  static type read(const Source&, const std::string&, const Local&, int, Extra&&...) {
+    return {};
+  }
 };
 template <class Shard, class Local>
 struct epilogue_of<Shard, Local, std::void_t<decltype(Shard::epilogue(std::declval<const Local&>()))>> {
   using type = std::decay_t<decltype(Shard::epilogue(std::declval<const Local&>()))>;
   static type from(const Local& full) { return Shard::epilogue(full); }
+  template <class Source, class... Extra>
+  static type read(const Source& tensors, const std::string& prefix, const Local& local, int P, Extra&&... extra) {
+    return Shard::read_epilogue(tensors, prefix, local, P, std::forward<Extra>(extra)...);
+  }
 };
 
 }  // namespace detail
@@ -167,13 +277,38 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
       : HeadParallel(build(std::move(comm), options, [&] { return Local(std::move(weights), options); })) {}
 
   /// Build this rank's shard from a FULL checkpoint, with the one-process
-  /// layer's from_tensors names and checks. Each rank reads the full
-  /// tensors through Local::from_tensors and keeps its slices; the rest is
-  /// freed before this returns (so loading briefly holds the whole layer).
-  template <class Source>
+  /// layer's from_tensors names: each rank reads only its own rows and
+  /// columns of the split tensors (Shard::kSplit) and the replicated ones
+  /// whole, so with an io::SafetensorsReader a rank never holds more of the
+  /// file than its shard (an io::TensorFile already holds all of it). A
+  /// shape the shard's checks refuse is re-checked as one process would, so
+  /// the shape_error (on every rank) is the one-process layer's.
+  /// `extra` goes to Local::from_tensors (CollabHead's layer_norm_eps).
+  template <class Source, class... Extra>
   static HeadParallel from_tensors(const Source& tensors, const std::string& prefix, const Options& options,
-                                   Communicator comm) {
-    return build(std::move(comm), options, [&] { return Local::from_tensors(tensors, prefix, options); });
+                                   Communicator comm, const Extra&... extra) {
+    std::optional<Parts> parts;
+    comm.agree(kName, [&] {
+      const int rank = comm.rank(), P = comm.size();
+      Shard::check_split(options, P);
+      try {
+        const detail::ShardSource<Shard, Source> shard(tensors, prefix, rank, P);
+        const Local loaded = Local::from_tensors(shard, prefix, Shard::local_options(options, rank, P), extra...);
+        auto weights = loaded.weights();
+        Vector<T> o_bias = std::move(weights.o.bias);  // added once, after the sum
+        weights.o.bias = Vector<T>();
+        const bool has_o = !weights.o.empty();
+        const Options local_opt = detail::settled_local_options<Shard>(options, rank, P, loaded);
+        parts.emplace(Parts{options, Local(std::move(weights), local_opt), std::move(o_bias), has_o,
+                            detail::epilogue_of<Shard, Local>::read(tensors, prefix, loaded, P, extra...)});
+      } catch (const shape_error&) {
+        // The shard's checks see its own extents: name the problem as the
+        // one-process layer does (reading everything, on this error only).
+        (void)Local::from_tensors(tensors, prefix, options, extra...);
+        throw;
+      }
+    });
+    return HeadParallel(std::move(comm), std::move(*parts));
   }
 
   Index num_heads() const { return opt_.num_heads; }
@@ -276,9 +411,8 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
               partial.item(b).middleRows(split.first(r), split.rows(r));
       send = packed;
     }
-    std::vector<int> counts(static_cast<std::size_t>(P));
-    for (int r = 0; r < P; ++r) counts[static_cast<std::size_t>(r)] = static_cast<int>(B * split.rows(r) * W);
-    comm_.reduce_scatter_sum(send, out.data(), counts.data());
+    for (int r = 0; r < P; ++r) scatter_counts_[static_cast<std::size_t>(r)] = static_cast<int>(B * split.rows(r) * W);
+    comm_.reduce_scatter_sum(send, out.data(), scatter_counts_.data());
     if (o_bias_.size() != 0) out.rows().rowwise() += o_bias_.transpose();
     if (epilogue_.empty()) return;
     const Index D = in.query.width(), n = split.rows(me);
@@ -371,7 +505,8 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
         local_(std::move(parts.local)),
         o_bias_(std::move(parts.o_bias)),
         has_o_(parts.has_o),
-        epilogue_(std::move(parts.epilogue)) {}
+        epilogue_(std::move(parts.epilogue)),
+        scatter_counts_(static_cast<std::size_t>(comm_.size())) {}
 
   // Check the split, load the full layer (which checks its shapes), keep
   // this rank's slice; all inside one agreement.
@@ -390,10 +525,7 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
 
   // The local layer's options for all-head `options`.
   Options local_options(const Options& options) const {
-    if constexpr (detail::local_options_take_layer<Shard, Options, Local>::value)
-      return Shard::local_options(options, comm_.size(), local_);
-    else
-      return Shard::local_options(options, comm_.size());
+    return detail::settled_local_options<Shard>(options, comm_.rank(), comm_.size(), local_);
   }
 
   int threads() const { return local_.options().threads; }
@@ -490,6 +622,9 @@ class HeadParallel : public LayerForms<HeadParallel<Layer, T>, T> {
   Vector<T> o_bias_;
   bool has_o_;
   Epilogue epilogue_;
+  // forward_scatter's per-rank element counts, sized once (one call at a
+  // time uses a layer, as its Communicator).
+  mutable std::vector<int> scatter_counts_;
 };
 
 }  // namespace headmix::mpi

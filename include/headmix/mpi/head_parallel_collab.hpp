@@ -34,12 +34,20 @@ struct HeadShard<CollabHead, T> {
     detail::check_multiple(kName, "num_heads", o.num_heads, P);
   }
 
-  /// The scale is fixed from the full head count: the local layer's default
-  /// would use its own H/P.
-  static CollabHeadOptions local_options(CollabHeadOptions o, int P, const CollabHead<T>& local) {
-    if (!o.scale) o.scale = 1.0 / std::sqrt(static_cast<double>(local.shared_dim()) / static_cast<double>(o.num_heads));
+  /// q and k (shared by every head) are read whole; o's bias and the
+  /// LayerNorm too, after the sum.
+  static constexpr SplitTensor kSplit[] = {
+      {"mixing", 0}, {"content_bias.weight", 0}, {"v.weight", 0}, {"v.bias", 0}, {"o.weight", 1}};
+
+  static CollabHeadOptions local_options(CollabHeadOptions o, int /*rank*/, int P) {
     o.num_heads /= P;
     return o;
+  }
+  /// The scale is fixed from the full head count: the local layer's default
+  /// would use its own H/P.
+  static CollabHeadOptions local_options(CollabHeadOptions o, int rank, int P, const CollabHead<T>& local) {
+    if (!o.scale) o.scale = 1.0 / std::sqrt(static_cast<double>(local.shared_dim()) / static_cast<double>(o.num_heads));
+    return local_options(o, rank, P);
   }
 
   static void same_split(const CollabHeadOptions& now, const CollabHeadOptions& next) {
@@ -66,6 +74,19 @@ struct HeadShard<CollabHead, T> {
 
   /// The full layer's LayerNorm (empty: none), run on the summed output.
   static CollabLayerNorm<T> epilogue(const CollabHead<T>& full) { return full.weights().layer_norm; }
+
+  /// The LayerNorm in a checkpoint: hidden from the local layer (whose heads
+  /// alone do not make out_dim), read whole and checked against the full
+  /// layer's out_dim.
+  static constexpr const char* kAfterSum[] = {"layer_norm.weight", "layer_norm.bias"};
+  template <class Source>
+  static CollabLayerNorm<T> read_epilogue(const Source& tensors, const std::string& prefix,
+                                          const CollabHead<T>& local, int P, double layer_norm_eps = 1e-5) {
+    auto ln = CollabLayerNorm<T>::read(tensors, prefix + "layer_norm", layer_norm_eps);
+    const Index out = local.weights().o.empty() ? P * local.num_heads() * local.v_head_dim() : local.out_dim();
+    ln.check(CollabHead<T>::kName, local.embed_dim(), out);
+    return ln;
+  }
 };
 
 /// Head-parallel CollabHead: HeadParallel over CollabHead, q and k replicated.

@@ -45,7 +45,11 @@ struct HeadShard<Dcmha, T> {
                            " (each rank holds whole KV heads)");
   }
 
-  static DcmhaOptions local_options(DcmhaOptions o, int P) {
+  static constexpr SplitTensor kSplit[] = {
+      {"q.weight", 0}, {"q.bias", 0}, {"k.weight", 0}, {"k.bias", 0}, {"v.weight", 0},   {"v.bias", 0},
+      {"o.weight", 1}, {"dc.dw1", 1}, {"dc.qkw", 0},   {"dc.dd", 1},  {"dc.pre_w", 0}, {"dc.post_w", 0}};
+
+  static DcmhaOptions local_options(DcmhaOptions o, int /*rank*/, int P) {
     o.num_kv_heads = detail::kv_heads_of(o.num_heads, o.num_kv_heads) / P;
     o.num_heads /= P;
     o.groups /= P;
@@ -73,7 +77,7 @@ struct HeadShard<Dcmha, T> {
     local.dd = detail::slice_axis(w.dd, 1, first, g);    // [D, G, 4·M]
     if (w.pre_w.rank() != 0) local.pre_w = detail::slice_axis(w.pre_w, 0, first, g);  // [G, M, M]
     if (w.post_w.rank() != 0) local.post_w = detail::slice_axis(w.post_w, 0, first, g);
-    return Dcmha<T>(std::move(local), local_options(options, P));
+    return Dcmha<T>(std::move(local), local_options(options, rank, P));
   }
 };
 

@@ -27,11 +27,17 @@ struct HeadShard<Lsh, T> {
     detail::check_multiple(kName, "num_heads", o.num_heads, P);
   }
 
-  /// The local layer's rotation indexing is fixed by its rank (slice).
-  static LshOptions local_options(LshOptions o, int P, const Lsh<T>& local) {
-    o.num_heads /= P;
-    o.rotation_heads = local.options().rotation_heads;
-    o.rotation_head_offset = local.options().rotation_head_offset;
+  /// The rotations are replicated, read whole.
+  static constexpr SplitTensor kSplit[] = {
+      {"qk.weight", 0}, {"qk.bias", 0}, {"v.weight", 0}, {"v.bias", 0}, {"o.weight", 1}};
+
+  /// The local heads keep the full layer's rotation indexing: they are heads
+  /// [rank·H/P, (rank+1)·H/P) of it.
+  static LshOptions local_options(LshOptions o, int rank, int P) {
+    const Index h = o.num_heads / P;
+    o.rotation_heads = o.rotation_heads > 0 ? o.rotation_heads : o.num_heads;
+    o.rotation_head_offset += rank * h;
+    o.num_heads = h;
     return o;
   }
 
@@ -52,11 +58,7 @@ struct HeadShard<Lsh, T> {
     local.v = detail::linear_rows(w.v, first * dv, h * dv);
     if (!w.o.empty()) local.o.weight = w.o.weight.middleCols(first * dv, h * dv);  // bias: after the sum
     local.rotations = w.rotations;  // replicated: see above
-    LshOptions o = options;
-    o.num_heads = h;
-    o.rotation_heads = full.rotation_heads();  // the full layer's indexing, from this rank's first head
-    o.rotation_head_offset = options.rotation_head_offset + first;
-    return Lsh<T>(std::move(local), o);
+    return Lsh<T>(std::move(local), local_options(options, rank, P));
   }
 };
 

@@ -21,7 +21,10 @@ struct HeadShard<Mha, T> {
                            " (each rank holds whole KV heads)");
   }
 
-  static MhaOptions local_options(MhaOptions o, int P) {
+  static constexpr SplitTensor kSplit[] = {{"q.weight", 0}, {"q.bias", 0}, {"k.weight", 0}, {"k.bias", 0},
+                                           {"v.weight", 0}, {"v.bias", 0}, {"o.weight", 1}};
+
+  static MhaOptions local_options(MhaOptions o, int /*rank*/, int P) {
     o.num_kv_heads = detail::kv_heads_of(o.num_heads, o.num_kv_heads) / P;
     o.num_heads /= P;
     return o;
@@ -39,7 +42,7 @@ struct HeadShard<Mha, T> {
     MhaWeights<T> local;
     detail::slice_projections(full.weights(), local, rank, full.num_heads() / P, full.num_kv_heads() / P,
                               full.head_dim(), full.v_head_dim());
-    return Mha<T>(std::move(local), local_options(options, P));
+    return Mha<T>(std::move(local), local_options(options, rank, P));
   }
 };
 

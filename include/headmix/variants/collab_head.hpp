@@ -77,6 +77,30 @@ struct CollabLayerNorm {
 
   bool empty() const { return weight.size() == 0 && bias.size() == 0; }
 
+  /// `<name>.weight` and `<name>.bias` from a source of named tensors, when
+  /// either is stored (then both must be); else none.
+  template <class Source>
+  static CollabLayerNorm read(const Source& tensors, const std::string& name, double eps) {
+    CollabLayerNorm ln;
+    if (!tensors.contains(name + ".weight") && !tensors.contains(name + ".bias")) return ln;
+    ln.weight = detail::read_vector<T>(tensors, name + ".weight");
+    ln.bias = detail::read_vector<T>(tensors, name + ".bias");
+    ln.eps = eps;
+    return ln;
+  }
+
+  /// Its shapes for `variant`'s output of `out` columns over an input of D.
+  void check(const char* variant, Index D, Index out) const {
+    if (empty()) return;
+    if (out != D)
+      detail::throw_shape(variant, "out_dim", std::to_string(D) + " (LayerNorm(Xq + y) needs out_dim == D)",
+                          std::to_string(out));
+    check_vector(variant, "layer_norm.weight", weight, D);
+    check_vector(variant, "layer_norm.bias", bias, D);
+    if (!(eps >= 0) || !std::isfinite(eps))
+      detail::throw_shape(variant, "layer_norm.eps", "a finite number >= 0", std::to_string(eps));
+  }
+
   /// out ← LayerNorm(xq + y), row by row (rows are independent, so any thread
   /// split gives the same bits); y is scratch and may be `out`. Public for a
   /// head-parallel layer, which applies it after summing its heads.
@@ -154,11 +178,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
       w.content_bias = detail::read_matrix<T>(tensors, prefix + "content_bias.weight");
     w.v = read_linear<T>(tensors, prefix + "v");
     w.o = detail::read_optional_linear<T>(tensors, prefix + "o");
-    if (tensors.contains(prefix + "layer_norm.weight") || tensors.contains(prefix + "layer_norm.bias")) {
-      w.layer_norm.weight = detail::read_vector<T>(tensors, prefix + "layer_norm.weight");
-      w.layer_norm.bias = detail::read_vector<T>(tensors, prefix + "layer_norm.bias");
-      w.layer_norm.eps = layer_norm_eps;
-    }
+    w.layer_norm = CollabLayerNorm<T>::read(tensors, prefix + "layer_norm", layer_norm_eps);
     return with_tensor_prefix(tensors, prefix,
                               {"q.weight", "k.weight", "mixing", "content_bias.weight", "v.weight", "v.bias",
                                "o.weight", "o.bias", "layer_norm.weight", "layer_norm.bias"},
@@ -422,17 +442,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
                           detail::format_shape(shape_of(w.v.weight)));
     w.v.check(kName, "v", hdv, Dkv);
     w.o.check_optional(kName, "o", hdv);
-    const auto& ln = w.layer_norm;
-    if (!ln.empty()) {
-      const Index out = w.o.empty() ? hdv : w.o.out_features();
-      if (out != D)
-        detail::throw_shape(kName, "out_dim", std::to_string(D) + " (LayerNorm(Xq + y) needs out_dim == D)",
-                            std::to_string(out));
-      check_vector(kName, "layer_norm.weight", ln.weight, D);
-      check_vector(kName, "layer_norm.bias", ln.bias, D);
-      if (!(ln.eps >= 0) || !std::isfinite(ln.eps))
-        detail::throw_shape(kName, "layer_norm.eps", "a finite number >= 0", std::to_string(ln.eps));
-    }
+    w.layer_norm.check(kName, D, w.o.empty() ? hdv : w.o.out_features());
   }
 
   CollabHeadWeights<T> w_;

@@ -1,0 +1,59 @@
+#!/usr/bin/python3
+"""How far two headmix_suite runs' ratios are apart: the reproducibility check.
+
+    /usr/bin/python3 bench/compare_runs.py first.json second.json [--tolerance 0.05] [--one-thread]
+
+Matches the comparisons of both runs by table, shape and sides, and prints
+for each the two medians and their relative difference (second / first - 1),
+largest first, marking with `!` those beyond the tolerance; then how many
+are within it. `--one-thread` keeps only comparisons whose sides both ran
+on one thread (the CPU-clock rows: what a load on the other core must not
+move). A report, not a test: the exit status is 0 whenever both files read.
+"""
+import argparse
+import json
+import sys
+
+
+def key(c):
+    return (c["table"], json.dumps(c["params"], sort_keys=True), c["a"]["label"], c["b"]["label"])
+
+
+def label(c):
+    params = " ".join(f"{k}={v}" for k, v in sorted(c["params"].items()))
+    return f'{c["table"]:9} {c["a"]["label"]} / {c["b"]["label"]}  {params}'
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("first")
+    parser.add_argument("second")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="relative difference allowed (0.05: 5%%)")
+    parser.add_argument("--one-thread", action="store_true", help="only comparisons timed on the CPU clock")
+    args = parser.parse_args()
+    runs = []
+    for path in (args.first, args.second):
+        with open(path) as f:
+            runs.append({key(c): c for c in json.load(f)["comparisons"]})
+    first, second = runs
+    rows = []
+    for k, a in first.items():
+        b = second.get(k)
+        if b is None or (args.one_thread and a["clock"] != "cpu"):
+            continue
+        rows.append((b["median"] / a["median"] - 1, a, b))
+    if not rows:
+        sys.exit("compare_runs: the two runs share no comparison")
+    rows.sort(key=lambda r: -abs(r[0]))
+    within = sum(abs(d) <= args.tolerance for d, _, _ in rows)
+    print(f"{'first':>7} {'second':>7} {'diff':>7}  comparison")
+    for d, a, b in rows:
+        mark = "!" if abs(d) > args.tolerance else " "
+        print(f'{a["median"]:7.3f} {b["median"]:7.3f} {d:+7.1%}{mark} {label(a)}')
+    unmatched = len(set(first) ^ set(second))
+    print(f"\n{within} of {len(rows)} ratios within ±{args.tolerance:.0%}; largest difference {abs(rows[0][0]):.1%}"
+          + (f"; {unmatched} comparisons in only one run" if unmatched else ""))
+
+
+if __name__ == "__main__":
+    main()
