@@ -56,10 +56,6 @@ namespace {
 
 using namespace headmix_test;
 
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
-
 // ---------------------------------------------------------------------------
 // Random valid parts
 
@@ -85,8 +81,44 @@ void put_vector(headmix::io::TensorFile& f, const std::string& name, const Vecto
 // Valid setups ("kits"), one per variant. A catalogue case copies a kit,
 // breaks one thing and calls one entry point.
 
+// What every kit does with its weights (w, opt) and inputs: the cross-attention
+// kits hold xq and xk, the self-attention kits x.
+template <class Kit, class Layer>
+struct KitOps {
+  headmix::AttentionInput<double> input() const {
+    const Kit& k = static_cast<const Kit&>(*this);
+    if constexpr (Kit::cross) {
+      return {{k.xq.data(), Kit::B, Kit::T, Kit::D},
+              {k.xk.data(), Kit::B, Kit::S, k.Dkv},
+              {k.padding.data(), Kit::B, Kit::S}};
+    } else {
+      return {{k.x.data(), Kit::B, Kit::T, Kit::D}, {}, {k.padding.data(), Kit::B, Kit::T}};
+    }
+  }
+  headmix::BatchView<double> out_view() { return {static_cast<Kit&>(*this).out.data(), Kit::B, Kit::T, Kit::Out}; }
+  Layer layer() const {
+    const Kit& k = static_cast<const Kit&>(*this);
+    return Layer(k.w, k.opt);
+  }
+  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
+    headmix::Workspace<double> ws;
+    layer().forward(in, dst, ws);
+  }
+  void forward() { forward(input(), out_view()); }
+};
+
+// The named Linears' weights and biases as prefix + name + ".weight" / ".bias".
+void put_linears(headmix::io::TensorFile& f, const std::string& prefix,
+                 std::initializer_list<std::pair<const char*, const headmix::Linear<double>*>> parts) {
+  for (const auto& [name, lin] : parts) {
+    put_matrix(f, prefix + name + ".weight", lin->weight);
+    put_vector(f, prefix + name + ".bias", lin->bias);
+  }
+}
+
 // MHA, cross-attention (D != Dkv, Dk != Dv, out != D) or self-attention.
-struct MhaKit {
+struct MhaKit : KitOps<MhaKit, headmix::Mha<double>> {
+  static constexpr bool cross = true;
   static constexpr Index B = 2, T = 5, S = 7, D = 6, H = 2, Dk = 3, Dv = 2, Out = 4;
   Index Dkv;
   headmix::MhaWeights<double> w;
@@ -105,31 +137,17 @@ struct MhaKit {
     xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
     out.resize(B * T, Out);
   }
-  headmix::AttentionInput<double> input() const {
-    return {{xq.data(), B, T, D}, {xk.data(), B, S, Dkv}, {padding.data(), B, S}};
-  }
-  headmix::BatchView<double> out_view() { return {out.data(), B, T, Out}; }
-  headmix::Mha<double> layer() const { return headmix::Mha<double>(w, opt); }
-  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
-    headmix::Workspace<double> ws;
-    layer().forward(in, dst, ws);
-  }
-  void forward() { forward(input(), out_view()); }
   // The layer's tensors as a file, for from_tensors.
   headmix::io::TensorFile file() const {
     headmix::io::TensorFile f;
-    const std::pair<const char*, const headmix::Linear<double>*> parts[] = {
-        {"q", &w.q}, {"k", &w.k}, {"v", &w.v}, {"o", &w.o}};
-    for (const auto& [name, lin] : parts) {
-      put_matrix(f, std::string("attn.") + name + ".weight", lin->weight);
-      put_vector(f, std::string("attn.") + name + ".bias", lin->bias);
-    }
+    put_linears(f, "attn.", {{"q", &w.q}, {"k", &w.k}, {"v", &w.v}, {"o", &w.o}});
     return f;
   }
 };
 
 // Talking-Heads with three different head counts (h_k 2, h 3, h_v 2).
-struct ThKit {
+struct ThKit : KitOps<ThKit, headmix::TalkingHeads<double>> {
+  static constexpr bool cross = true;
   static constexpr Index B = 2, T = 5, S = 7, D = 6, Dkv = 5, Hk = 2, H = 3, Hv = 2, Dk = 2, Dv = 2, Out = 4;
   headmix::TalkingHeadsWeights<double> w;
   headmix::TalkingHeadsOptions opt;
@@ -149,24 +167,9 @@ struct ThKit {
     xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
     out.resize(B * T, Out);
   }
-  headmix::AttentionInput<double> input() const {
-    return {{xq.data(), B, T, D}, {xk.data(), B, S, Dkv}, {padding.data(), B, S}};
-  }
-  headmix::BatchView<double> out_view() { return {out.data(), B, T, Out}; }
-  headmix::TalkingHeads<double> layer() const { return headmix::TalkingHeads<double>(w, opt); }
-  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
-    headmix::Workspace<double> ws;
-    layer().forward(in, dst, ws);
-  }
-  void forward() { forward(input(), out_view()); }
   headmix::io::TensorFile file() const {
     headmix::io::TensorFile f;
-    const std::pair<const char*, const headmix::Linear<double>*> parts[] = {
-        {"q", &w.q}, {"k", &w.k}, {"v", &w.v}, {"o", &w.o}};
-    for (const auto& [name, lin] : parts) {
-      put_matrix(f, std::string(name) + ".weight", lin->weight);
-      put_vector(f, std::string(name) + ".bias", lin->bias);
-    }
+    put_linears(f, "", {{"q", &w.q}, {"k", &w.k}, {"v", &w.v}, {"o", &w.o}});
     put_matrix(f, "pre_softmax.weight", w.pre_softmax);
     put_matrix(f, "post_softmax.weight", w.post_softmax);
     return f;
@@ -174,7 +177,8 @@ struct ThKit {
 };
 
 // CollabHead with a content bias and LayerNorm (out_dim == D).
-struct CollabKit {
+struct CollabKit : KitOps<CollabKit, headmix::CollabHead<double>> {
+  static constexpr bool cross = true;
   static constexpr Index B = 2, T = 5, S = 7, D = 6, Dkv = 5, H = 2, R = 4, Dv = 2, Out = D;
   headmix::CollabHeadWeights<double> w;
   headmix::CollabHeadOptions opt;
@@ -196,20 +200,11 @@ struct CollabKit {
     xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
     out.resize(B * T, Out);
   }
-  headmix::AttentionInput<double> input() const {
-    return {{xq.data(), B, T, D}, {xk.data(), B, S, Dkv}, {padding.data(), B, S}};
-  }
-  headmix::BatchView<double> out_view() { return {out.data(), B, T, Out}; }
-  headmix::CollabHead<double> layer() const { return headmix::CollabHead<double>(w, opt); }
-  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
-    headmix::Workspace<double> ws;
-    layer().forward(in, dst, ws);
-  }
-  void forward() { forward(input(), out_view()); }
 };
 
 // LSH with explicit rotations for T = 8 (padded length 8, NB = 8 / 2 = 4).
-struct LshKit {
+struct LshKit : KitOps<LshKit, headmix::Lsh<double>> {
+  static constexpr bool cross = false;
   static constexpr Index B = 2, T = 8, D = 6, H = 2, dh = 2, dv = 2, Out = 4, bs = 2, NH = 2, NB = 4;
   headmix::LshWeights<double> w;
   headmix::LshOptions opt;
@@ -226,18 +221,11 @@ struct LshKit {
     x = random_matrix<double>(rng, B * T, D, 1.0);
     out.resize(B * T, Out);
   }
-  headmix::AttentionInput<double> input() const { return {{x.data(), B, T, D}, {}, {padding.data(), B, T}}; }
-  headmix::BatchView<double> out_view() { return {out.data(), B, T, Out}; }
-  headmix::Lsh<double> layer() const { return headmix::Lsh<double>(w, opt); }
-  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
-    headmix::Workspace<double> ws;
-    layer().forward(in, dst, ws);
-  }
-  void forward() { forward(input(), out_view()); }
 };
 
 // DCMHA, causal, H 4 in G 2 groups (M 2), rank 1, hidden width K 3, static terms.
-struct DcmhaKit {
+struct DcmhaKit : KitOps<DcmhaKit, headmix::Dcmha<double>> {
+  static constexpr bool cross = false;
   static constexpr Index B = 2, T = 5, D = 6, H = 4, G = 2, M = 2, R = 1, K = 3, dk = 2, dv = 2, Out = 4;
   headmix::DcmhaWeights<double> w;
   headmix::DcmhaOptions opt;
@@ -259,14 +247,6 @@ struct DcmhaKit {
     x = random_matrix<double>(rng, B * T, D, 1.0);
     out.resize(B * T, Out);
   }
-  headmix::AttentionInput<double> input() const { return {{x.data(), B, T, D}, {}, {padding.data(), B, T}}; }
-  headmix::BatchView<double> out_view() { return {out.data(), B, T, Out}; }
-  headmix::Dcmha<double> layer() const { return headmix::Dcmha<double>(w, opt); }
-  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
-    headmix::Workspace<double> ws;
-    layer().forward(in, dst, ws);
-  }
-  void forward() { forward(input(), out_view()); }
 };
 
 // A tiny valid safetensors file: one F32 [2, 3] tensor "w" and one F32 [3] tensor "b".
@@ -1075,10 +1055,7 @@ Index expect_contract(const Subject<T>& s, const Tensor<T>& clean, const Tensor<
   return bad_rows;
 }
 
-template <class T>
-class NonFiniteInput : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(NonFiniteInput, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(NonFiniteInput);
 
 template <class T>
 std::vector<T> bad_values() {
@@ -1216,12 +1193,9 @@ TYPED_TEST(NonFiniteInput, DecodingCachesItUntilReset) {
     // cache that decodes step 3 as its first position.
     EXPECT_TRUE(reset_run[3] == fresh_after_reset[0]) << name << ": reset() did not forget the bad position";
   };
-  {
-    headmix::MhaWeights<T> w{rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 4, D),
-                             rand_linear<T>(rng, Out, 4)};
-    headmix::MhaOptions o;
-    o.num_heads = 2;
-    const headmix::Mha<T> layer(w, o);
+  // A clean run, a poisoned one, a poisoned one reset after step 2, and a
+  // fresh cache's first step on step 3's input.
+  auto check_layer = [&](const char* name, const auto& layer) {
     headmix::SequenceCache<T> cache(B, steps);
     headmix::Workspace<T> ws;
     auto step = [&](const Matrix<T>& xt, Matrix<T>& y) {
@@ -1237,7 +1211,14 @@ TYPED_TEST(NonFiniteInput, DecodingCachesItUntilReset) {
     Matrix<T> y(B, Out);
     const Matrix<T> x3 = step_input(3, false);
     step(x3, y);
-    check("mha", clean, bad, {y}, reset_run);
+    check(name, clean, bad, {y}, reset_run);
+  };
+  {
+    headmix::MhaWeights<T> w{rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 6, D), rand_linear<T>(rng, 4, D),
+                             rand_linear<T>(rng, Out, 4)};
+    headmix::MhaOptions o;
+    o.num_heads = 2;
+    check_layer("mha", headmix::Mha<T>(w, o));
   }
   {
     const Index H = 2, G = 1, M = 2, R = 1, K = 3;
@@ -1248,23 +1229,7 @@ TYPED_TEST(NonFiniteInput, DecodingCachesItUntilReset) {
     w.dd = random_tensor<T>(rng, {D, G, 4 * M}, 0.5);
     headmix::DcmhaOptions o;
     o.num_heads = H, o.groups = G, o.rank = R, o.causal = true;
-    const headmix::Dcmha<T> layer(w, o);
-    headmix::SequenceCache<T> cache(B, steps);
-    headmix::Workspace<T> ws;
-    auto step = [&](const Matrix<T>& xt, Matrix<T>& y) {
-      layer.step({xt.data(), B, 1, D}, cache, {y.data(), B, 1, Out}, ws);
-    };
-    auto reset = [&] { cache.reset(); };
-    const auto clean = decode(step, reset, false, false);
-    cache.reset();
-    const auto bad = decode(step, reset, true, false);
-    cache.reset();
-    const auto reset_run = decode(step, reset, true, true);
-    cache.reset();
-    Matrix<T> y(B, Out);
-    const Matrix<T> x3 = step_input(3, false);
-    step(x3, y);
-    check("dcmha", clean, bad, {y}, reset_run);
+    check_layer("dcmha", headmix::Dcmha<T>(w, o));
   }
 }
 

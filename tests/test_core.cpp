@@ -3,6 +3,8 @@
 // values come from direct formulas in double, never from the stage itself.
 #include <headmix/headmix.hpp>
 
+#include "test_util.hpp"
+
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -15,10 +17,7 @@ using namespace headmix;
 
 namespace {
 
-template <class T>
-class CoreTyped : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(CoreTyped, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(CoreTyped);
 
 // softmax of a plain vector in long double, for comparison.
 std::vector<double> softmax_ref(const std::vector<double>& x, const std::vector<bool>& visible) {

@@ -12,6 +12,7 @@
 
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
+#include "cases/ref_adapters.hpp"
 #include "headmix/decomp/cp_als.hpp"
 #include "headmix/decomp/mha_to_collab.hpp"
 #include "headmix/io/safetensors.hpp"
@@ -33,9 +34,6 @@ namespace {
 
 using namespace headmix_test;
 
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
 namespace decomp = headmix::decomp;
 
 // ---------------------------------------------------------------------------
@@ -365,16 +363,6 @@ TEST(CpAlsBadInput, Arguments) {
 // ---------------------------------------------------------------------------
 // MHA -> CollabHead
 
-template <class T>
-headmix_ref::RefLinear ref_linear(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::RefLinear>(lin);
-}
-
-template <class T>
-headmix_ref::RefBatch ref_batch(const Matrix<T>& m, int batch) {
-  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
-}
-
 template <class Sc>
 struct MhaSetup {
   int B = 2, T = 6, S = 6, D = 12, Dkv = 12, H = 3, Dk = 4, Dv = 3, out = 9;
@@ -437,10 +425,7 @@ MhaSetup<T> random_mha(unsigned seed, MhaSetup<T> s = {}) {
 // R = H·Dk copies the layer: the converted CollabHead gives the MHA's output
 // and weights within the mha float64 tolerance (rtol 1e-9, atol 1e-12), and
 // float within the float test tolerance (rtol 2e-4, atol 2e-5).
-template <class T>
-class MhaToCollabTyped : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(MhaToCollabTyped, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(MhaToCollabTyped);
 
 TYPED_TEST(MhaToCollabTyped, FullRankCopyMatchesTheMha) {
   using T = TypeParam;

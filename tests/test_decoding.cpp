@@ -54,10 +54,7 @@ double tolerance() {
   return std::is_same_v<T, float> ? 2e-5 : 1e-12;
 }
 
-template <class T>
-class Decoding : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Decoding, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(Decoding);
 
 // Steps of several sizes (1, then chunks) match the full causal pass.
 TYPED_TEST(Decoding, MhaStepsMatchFullCausalForward) {
@@ -115,14 +112,20 @@ void expect_full_step_refused(const Layer& layer, SequenceCache<double>& cache, 
       << "a refused step wrote to the cache";
 }
 
+// An MHA with D x D projections (q, k, v and o drawn in that order) and H heads.
+template <class T>
+Mha<T> square_mha(std::mt19937& rng, Index D, Index H) {
+  MhaWeights<T> w{random_linear<T>(D, D, rng), random_linear<T>(D, D, rng), random_linear<T>(D, D, rng),
+                  random_linear<T>(D, D, rng)};
+  MhaOptions opt;
+  opt.num_heads = H;
+  return Mha<T>(w, opt);
+}
+
 TEST(Decoding, FullCacheThrowsAndKeepsContents) {
   std::mt19937 rng(2);
   const Index D = 8, H = 2;
-  MhaWeights<double> w{random_linear<double>(D, D, rng), random_linear<double>(D, D, rng),
-                       random_linear<double>(D, D, rng), random_linear<double>(D, D, rng)};
-  MhaOptions opt;
-  opt.num_heads = H;
-  Mha<double> layer(w, opt);
+  Mha<double> layer = square_mha<double>(rng, D, H);
   SequenceCache<double> cache(1, 3);
   Workspace<double> ws;
   Tensor<double> x = random_batch<double>(1, 2, D, rng), y({1, 2, D});
@@ -135,11 +138,7 @@ TEST(Decoding, FullCacheThrowsAndKeepsContents) {
 TEST(Decoding, CacheOfAnotherBatchSizeIsAShapeError) {
   std::mt19937 rng(3);
   const Index D = 8;
-  MhaWeights<double> w{random_linear<double>(D, D, rng), random_linear<double>(D, D, rng),
-                       random_linear<double>(D, D, rng), random_linear<double>(D, D, rng)};
-  MhaOptions opt;
-  opt.num_heads = 2;
-  Mha<double> layer(w, opt);
+  Mha<double> layer = square_mha<double>(rng, D, 2);
   SequenceCache<double> cache(2, 4);
   Workspace<double> ws;
   Tensor<double> x = random_batch<double>(1, 1, D, rng), y({1, 1, D});
@@ -154,11 +153,7 @@ TEST(Decoding, CacheOfAnotherBatchSizeIsAShapeError) {
 TEST(Decoding, SizedStepAllocatesNothing) {
   std::mt19937 rng(4);
   const Index D = 32, H = 4;
-  MhaWeights<float> w{random_linear<float>(D, D, rng), random_linear<float>(D, D, rng),
-                      random_linear<float>(D, D, rng), random_linear<float>(D, D, rng)};
-  MhaOptions opt;
-  opt.num_heads = H;
-  Mha<float> layer(w, opt);
+  Mha<float> layer = square_mha<float>(rng, D, H);
   SequenceCache<float> cache(1, 64);
   Workspace<float> ws;
   Tensor<float> x = random_batch<float>(1, 1, D, rng), y({1, 1, D});

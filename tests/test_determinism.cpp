@@ -29,7 +29,6 @@
 namespace {
 
 using namespace headmix_test;
-using headmix::Index;
 
 constexpr Index kBatch = 2, kLength = 37, kWidth = 13, kKeyWidth = 7, kBlockRows = 8;
 constexpr Index kPaddedFrom = 29;  // item 1's positions >= this are padding

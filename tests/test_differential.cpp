@@ -36,6 +36,7 @@
 
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
+#include "cases/ref_adapters.hpp"
 #include "reference/collab_reference.hpp"
 #include "reference/dcmha_reference.hpp"
 #include "reference/lsh_reference.hpp"
@@ -60,10 +61,6 @@
 namespace {
 
 using namespace headmix_test;
-
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
 
 constexpr int kDefaultConfigs = 200;
 
@@ -101,15 +98,6 @@ std::vector<std::uint8_t> padding(Draw& d, int B, int S, int mode) {
   for (auto& m : p) m = d.coin(mode == 1 ? 0.3 : 0.7) ? 1 : 0;
   if (mode == 2) std::fill(p.begin(), p.begin() + S, 1);  // item 0 fully padded
   return p;
-}
-
-template <class T>
-headmix_ref::RefLinear ref_linear(const headmix::Linear<T>& l) {
-  return ref_linear_as<headmix_ref::RefLinear>(l);
-}
-template <class T>
-headmix_ref::RefBatch ref_batch(const Matrix<T>& m, int B) {
-  return ref_batch_as<headmix_ref::RefBatch>(m, B);
 }
 
 // ---------------------------------------------------------------------------
@@ -218,6 +206,37 @@ template <class Layer, class W, class O, class T>
   return ok;
 }
 
+// The dense layers' input: queries, keys when cross-attending, padding when drawn.
+template <class T>
+headmix::AttentionInput<T> cross_input(const Matrix<T>& xq, const Matrix<T>& xk, bool cross,
+                                       const std::vector<std::uint8_t>& pad, Index B, Index T_, Index S, Index D,
+                                       Index Dkv) {
+  headmix::AttentionInput<T> in;
+  in.query = {xq.data(), B, T_, D};
+  if (cross) in.key = {xk.data(), B, S, Dkv};
+  if (!pad.empty()) in.key_padding = {pad.data(), B, S};
+  return in;
+}
+
+// One forward of Layer(w, o) on `in` against the reference's output (and
+// weights when drawn), then the thread-count rerun.
+template <class Layer, class W, class O, class T, class Want>
+::testing::AssertionResult forward_matches(Draw& d, Outcome& oc, const W& w, const O& o,
+                                           const headmix::AttentionInput<T>& in, bool want_probs, const Want& want,
+                                           Index heads, Tolerance tol) {
+  const Layer layer(w, o);
+  headmix::Workspace<T> ws;
+  Tensor<T> probs;
+  const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
+  auto out_ok = all_close("output", y, want.output, tol);
+  if (!out_ok) return out_ok;
+  if (want_probs) {
+    auto probs_ok = all_close("probs", probs, want.probs, tol);
+    if (!probs_ok) return probs_ok;
+  }
+  return thread_rerun<Layer>(d, oc, w, o, in, want_probs, heads);
+}
+
 // ---------------------------------------------------------------------------
 // MHA
 
@@ -271,18 +290,10 @@ Outcome mha_config(unsigned long long seed) {
     return oc;
   }
 
-  headmix::AttentionInput<T> in;
-  in.query = {xq.data(), B, T_, D};
-  if (cross) in.key = {xk.data(), B, S, Dkv};
-  if (!pad.empty()) in.key_padding = {pad.data(), B, S};
+  const auto in = cross_input(xq, xk, cross, pad, B, T_, S, D, Dkv);
   const auto kb = ref_batch(xk, B);
   const auto want = headmix_ref::mha_reference(rw, ro, ref_batch(xq, B), cross ? &kb : nullptr, pad);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
-  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  DIFF_CHECK(oc, thread_rerun<headmix::Mha<T>>(d, oc, w, o, in, want_probs, H));
+  DIFF_CHECK(oc, forward_matches<headmix::Mha<T>>(d, oc, w, o, in, want_probs, want, H, default_tolerance<T>()));
   return oc;
 }
 
@@ -361,17 +372,8 @@ Outcome talking_heads_config(unsigned long long seed) {
   }
   const auto want = headmix_ref::talking_heads_reference(rw, ro, qb, cross ? &kb : nullptr, pad);
 
-  headmix::AttentionInput<T> in;
-  in.query = {xq.data(), B, T_, D};
-  if (cross) in.key = {xk.data(), B, S, Dkv};
-  if (!pad.empty()) in.key_padding = {pad.data(), B, S};
-  const headmix::TalkingHeads<T> layer(w, o);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
-  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  DIFF_CHECK(oc, thread_rerun<headmix::TalkingHeads<T>>(d, oc, w, o, in, want_probs, h));
+  const auto in = cross_input(xq, xk, cross, pad, B, T_, S, D, Dkv);
+  DIFF_CHECK(oc, forward_matches<headmix::TalkingHeads<T>>(d, oc, w, o, in, want_probs, want, h, default_tolerance<T>()));
   return oc;
 }
 
@@ -460,17 +462,8 @@ Outcome collab_config(unsigned long long seed) {
   const auto kb = ref_batch(xk, B);
   const auto want = headmix_ref::collab_reference(rw, ro, ref_batch(xq, B), cross ? &kb : nullptr, pad);
 
-  headmix::AttentionInput<T> in;
-  in.query = {xq.data(), B, T_, D};
-  if (cross) in.key = {xk.data(), B, S, Dkv};
-  if (!pad.empty()) in.key_padding = {pad.data(), B, S};
-  const headmix::CollabHead<T> layer(w, o);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
-  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  DIFF_CHECK(oc, thread_rerun<headmix::CollabHead<T>>(d, oc, w, o, in, want_probs, H));
+  const auto in = cross_input(xq, xk, cross, pad, B, T_, S, D, Dkv);
+  DIFF_CHECK(oc, forward_matches<headmix::CollabHead<T>>(d, oc, w, o, in, want_probs, want, H, default_tolerance<T>()));
   return oc;
 }
 
@@ -542,13 +535,7 @@ Outcome lsh_config(unsigned long long seed) {
   headmix::AttentionInput<T> in;
   in.query = {x.data(), B, T_, D};
   if (!pad.empty()) in.key_padding = {pad.data(), B, T_};
-  const headmix::Lsh<T> layer(w, o);
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, all_close("output", y, want.output, default_tolerance<T>()));
-  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, default_tolerance<T>()));
-  DIFF_CHECK(oc, thread_rerun<headmix::Lsh<T>>(d, oc, w, o, in, want_probs, H));
+  DIFF_CHECK(oc, forward_matches<headmix::Lsh<T>>(d, oc, w, o, in, want_probs, want, H, default_tolerance<T>()));
   return oc;
 }
 
@@ -607,15 +594,7 @@ Outcome dcmha_config(unsigned long long seed) {
        << " threads=" << o.threads << " pad_mode=" << pad_mode << (decode ? " decode" : "");
   oc.config = desc.str();
 
-  headmix_ref::RefDcmhaWeights rw;
-  rw.D = D, rw.H = H, rw.dk = dk, rw.dv = dv, rw.out = out, rw.G = G, rw.R = R, rw.K = K;
-  rw.wq = widen(w.q.weight), rw.bq = widen(w.q.bias.data(), w.q.bias.size());
-  rw.wk = widen(w.k.weight), rw.bk = widen(w.k.bias.data(), w.k.bias.size());
-  rw.wv = widen(w.v.weight), rw.bv = widen(w.v.bias.data(), w.v.bias.size());
-  rw.wo = widen(w.o.weight), rw.bo = widen(w.o.bias.data(), w.o.bias.size());
-  rw.dw1 = widen(w.dw1.data(), w.dw1.size()), rw.qkw = widen(w.qkw.data(), w.qkw.size());
-  rw.dd = widen(w.dd.data(), w.dd.size());
-  rw.pre_w = widen(w.pre_w.data(), w.pre_w.size()), rw.post_w = widen(w.post_w.data(), w.post_w.size());
+  const auto rw = ref_dcmha_weights(w, D, H, G, R);
   headmix_ref::RefDcmhaOptions ro;
   ro.use_pre = o.use_pre, ro.use_post = o.use_post, ro.query_wise = o.query_wise, ro.key_wise = o.key_wise;
   ro.static_w = o.static_w, ro.causal = o.causal, ro.window = static_cast<int>(o.window);
@@ -632,12 +611,7 @@ Outcome dcmha_config(unsigned long long seed) {
   headmix::AttentionInput<T> in;
   in.query = {x.data(), B, T_, D};
   if (!pad.empty()) in.key_padding = {pad.data(), B, T_};
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> y = layer.forward(in, ws, want_probs ? &probs : nullptr);
-  DIFF_CHECK(oc, all_close("output", y, want.output, dcmha_tolerance<T>()));
-  if (want_probs) DIFF_CHECK(oc, all_close("probs", probs, want.probs, dcmha_tolerance<T>()));
-  DIFF_CHECK(oc, thread_rerun<headmix::Dcmha<T>>(d, oc, w, o, in, want_probs, H));
+  DIFF_CHECK(oc, forward_matches<headmix::Dcmha<T>>(d, oc, w, o, in, want_probs, want, H, dcmha_tolerance<T>()));
   return oc;
 }
 
@@ -679,10 +653,7 @@ void run_variant(const char* variant, unsigned long long salt, Outcome (*config)
             << " failed, seeds " << base << ".." << base + ran - 1 << std::endl;
 }
 
-template <class T>
-class Differential : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Differential, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(Differential);
 
 TYPED_TEST(Differential, Mha) { run_variant<TypeParam>("mha", 1, &mha_config<TypeParam>); }
 TYPED_TEST(Differential, TalkingHeads) { run_variant<TypeParam>("talking_heads", 2, &talking_heads_config<TypeParam>); }

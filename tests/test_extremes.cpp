@@ -16,6 +16,7 @@
 
 #include "headmix/headmix.hpp"
 #include "test_util.hpp"
+#include "cases/ref_adapters.hpp"
 #include "reference/collab_reference.hpp"
 #include "reference/dcmha_reference.hpp"
 #include "reference/lsh_reference.hpp"
@@ -36,10 +37,6 @@
 namespace {
 
 using namespace headmix_test;
-
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
 
 // ---------------------------------------------------------------------------
 // Helpers
@@ -76,15 +73,6 @@ std::vector<double> row_of(const Matrix<T>& m, Index r) {
 }
 
 // ---- references -------------------------------------------------------------
-
-template <class T>
-headmix_ref::RefLinear ref_linear(const headmix::Linear<T>& l) {
-  return ref_linear_as<headmix_ref::RefLinear>(l);
-}
-template <class T>
-headmix_ref::RefBatch ref_batch(const Matrix<T>& m, Index B) {
-  return ref_batch_as<headmix_ref::RefBatch>(m, B);
-}
 
 template <class T>
 headmix_ref::RefMhaResult mha_ref(const headmix::MhaWeights<T>& w, const headmix::MhaOptions& o, const Matrix<T>& xq,
@@ -166,18 +154,7 @@ headmix_ref::LshRefResult lsh_ref(const headmix::LshWeights<T>& w, const headmix
 template <class T>
 headmix_ref::RefDcmhaResult dcmha_ref(const headmix::DcmhaWeights<T>& w, const headmix::DcmhaOptions& o,
                                       const Matrix<T>& x, Index B, const std::vector<std::uint8_t>& pad = {}) {
-  headmix_ref::RefDcmhaWeights rw;
-  const Index H = o.num_heads;
-  rw.D = static_cast<int>(x.cols()), rw.H = static_cast<int>(H), rw.dk = static_cast<int>(w.q.weight.rows() / H);
-  rw.dv = static_cast<int>(w.v.weight.rows() / H), rw.out = static_cast<int>(w.o.weight.rows());
-  rw.G = static_cast<int>(o.groups), rw.R = static_cast<int>(o.rank), rw.K = static_cast<int>(w.dw1.dim(3));
-  rw.wq = widen(w.q.weight), rw.bq = widen(w.q.bias.data(), w.q.bias.size());
-  rw.wk = widen(w.k.weight), rw.bk = widen(w.k.bias.data(), w.k.bias.size());
-  rw.wv = widen(w.v.weight), rw.bv = widen(w.v.bias.data(), w.v.bias.size());
-  rw.wo = widen(w.o.weight), rw.bo = widen(w.o.bias.data(), w.o.bias.size());
-  rw.dw1 = widen(w.dw1.data(), w.dw1.size()), rw.qkw = widen(w.qkw.data(), w.qkw.size());
-  rw.dd = widen(w.dd.data(), w.dd.size());
-  rw.pre_w = widen(w.pre_w.data(), w.pre_w.size()), rw.post_w = widen(w.post_w.data(), w.post_w.size());
+  const auto rw = ref_dcmha_weights(w, x.cols(), o.num_heads, o.groups, o.rank);
   headmix_ref::RefDcmhaOptions ro;
   ro.use_pre = o.use_pre, ro.use_post = o.use_post, ro.query_wise = o.query_wise, ro.key_wise = o.key_wise;
   ro.static_w = o.static_w, ro.causal = o.causal, ro.window = static_cast<int>(o.window);
@@ -224,10 +201,7 @@ void safe_rotations(Rng& rng, headmix::LshWeights<T>& w, const headmix::LshOptio
   FAIL() << "no rotation with a safe hash margin";
 }
 
-template <class T>
-class Extremes : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(Extremes, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(Extremes);
 
 // The largest logit magnitude used: 3e38 in float (max 3.4e38), 1e308 in double.
 template <class T>
@@ -933,13 +907,9 @@ TYPED_TEST(Extremes, CausalOffsetsAtTheEndsOfTheRange) {
 // 65536-term sums).
 
 template <class T>
-Tolerance long_weight_tol() {
-  return std::is_same_v<T, float> ? Tolerance{1e-4, 1e-10} : Tolerance{1e-9, 1e-14};
-}
+constexpr Tolerance long_weight_tol = std::is_same_v<T, float> ? Tolerance{1e-4, 1e-10} : Tolerance{1e-9, 1e-14};
 template <class T>
-Tolerance long_output_tol() {
-  return std::is_same_v<T, float> ? Tolerance{1e-4, 1e-5} : Tolerance{1e-9, 1e-12};
-}
+constexpr Tolerance long_output_tol = std::is_same_v<T, float> ? Tolerance{1e-4, 1e-5} : Tolerance{1e-9, 1e-12};
 
 TYPED_TEST(Extremes, MhaRowOf65536Keys) {
   using T = TypeParam;
@@ -961,8 +931,8 @@ TYPED_TEST(Extremes, MhaRowOf65536Keys) {
   const Tensor<T> y = headmix::Mha<T>(w, o).forward(in, ws, &probs);
   const auto want = mha_ref(w, o, xq, &xk, B, pad);
   EXPECT_TRUE(all_finite("output", y));
-  EXPECT_TRUE(all_close("weights", probs, want.probs, long_weight_tol<T>()));
-  EXPECT_TRUE(all_close("output", y, want.output, long_output_tol<T>()));
+  EXPECT_TRUE(all_close("weights", probs, want.probs, long_weight_tol<T>));
+  EXPECT_TRUE(all_close("output", y, want.output, long_output_tol<T>));
   for (Index r = 0; r < B * H * T_; ++r) {
     double sum = 0;
     for (Index j = 0; j < S; ++j) sum += static_cast<double>(probs[r * S + j]);
@@ -994,7 +964,7 @@ TYPED_TEST(Extremes, MhaRowOf65536Keys) {
     const auto out = affine(w.o, mean);
     want_u.insert(want_u.end(), out.begin(), out.end());
   }
-  EXPECT_TRUE(all_close("uniform output", yu, want_u, long_output_tol<T>()));
+  EXPECT_TRUE(all_close("uniform output", yu, want_u, long_output_tol<T>));
 }
 
 }  // namespace

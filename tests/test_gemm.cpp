@@ -5,6 +5,8 @@
 #include <headmix/core/gemm.hpp>
 #include <headmix/core/linear.hpp>
 
+#include "test_util.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,10 +17,7 @@ using namespace headmix;
 
 namespace {
 
-template <class T>
-class GemmTyped : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(GemmTyped, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(GemmTyped);
 
 template <class T>
 Matrix<T> random_matrix(Index rows, Index cols, std::mt19937& rng) {

@@ -22,7 +22,6 @@
 namespace {
 
 using namespace headmix_test;
-using headmix::Index;
 
 constexpr Index kWidth = 11, kBatch = 2, kLength = 13;
 
@@ -42,6 +41,15 @@ headmix::Linear<T> repeat_heads(const headmix::Linear<T>& lin, Index heads, Inde
 }
 
 // One variant: its grouped layer (kv stored heads) and the expanded layer.
+// A grouped layer's weights with K and V repeated per group: the same
+// layer as a standard one (num_kv_heads = num_heads).
+template <class W>
+W with_repeated_kv(W w, Index heads, Index kv, Index dk, Index dv) {
+  w.k = repeat_heads(w.k, heads, heads / kv, dk);
+  w.v = repeat_heads(w.v, heads, heads / kv, dv);
+  return w;
+}
+
 template <class T>
 struct MhaGqa {
   using Layer = headmix::Mha<T>;
@@ -58,9 +66,7 @@ struct MhaGqa {
             random_linear<T>(rng, kv * kDv, kWidth), random_linear<T>(rng, 5, kHeads * kDv)};
   }
   static Layer expanded(headmix::MhaWeights<T> w, Index kv) {
-    w.k = repeat_heads(w.k, kHeads, kHeads / kv, kDk);
-    w.v = repeat_heads(w.v, kHeads, kHeads / kv, kDv);
-    return Layer(std::move(w), options(0));
+    return Layer(with_repeated_kv(std::move(w), kHeads, kv, kDk, kDv), options(0));
   }
   // Cache values per position the grouping saves.
   static Index saved_per_position(Index kv) { return (kHeads - kv) * (kDk + kDv); }
@@ -116,9 +122,7 @@ struct DcmhaGqa {
     return w;
   }
   static Layer expanded(headmix::DcmhaWeights<T> w, Index kv) {
-    w.k = repeat_heads(w.k, kHeads, kHeads / kv, kDk);
-    w.v = repeat_heads(w.v, kHeads, kHeads / kv, kDv);
-    return Layer(std::move(w), options(0));
+    return Layer(with_repeated_kv(std::move(w), kHeads, kv, kDk, kDv), options(0));
   }
   static Index saved_per_position(Index kv) { return (kHeads - kv) * (kDk + kDv); }
 };

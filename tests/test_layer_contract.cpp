@@ -29,9 +29,6 @@ namespace {
 using namespace headmix_test;
 using namespace headmix_test::variants;
 
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
 
 // "[2, 5, 16]", as shape_error prints a shape.
 std::string shape_text(std::initializer_list<Index> dims) {
@@ -285,6 +282,12 @@ class LayerBadInput : public ::testing::Test {
     headmix::Workspace<double> ws;
     p.layer().forward(in, dst, ws);
   }
+  // forward(in) throws a shape_error naming `what`, the shape it wants and the one it got.
+  void expect_input_error(const headmix::AttentionInput<double>& in, const char* what,
+                          std::initializer_list<Index> want, std::initializer_list<Index> got) {
+    HEADMIX_EXPECT_SHAPE_ERROR_IN(V::tag, forward(in, out_view()), what, "expected " + shape_text(want),
+                                  "got " + shape_text(got));
+  }
 
   Problem p;
   Dims d;
@@ -353,6 +356,23 @@ TYPED_TEST(LayerBadInput, OutputBiasWithoutOutputWeight) {
   EXPECT_SHAPE_ERROR(this->build(), "o.weight", "got [0, 0]");
 }
 
+// o.weight is [out, heads · value width] and o.bias [out] (the per-variant
+// files test their other weights).
+TYPED_TEST(LayerBadInput, OutputWeightColumns) {
+  auto& o = this->p.w.o;
+  const Index rows = o.weight.rows(), cols = o.weight.cols();
+  o.weight.conservativeResize(rows, cols - 1);
+  EXPECT_SHAPE_ERROR(this->build(), "o.weight", "expected " + shape_text({rows, cols}),
+                     "got " + shape_text({rows, cols - 1}));
+}
+
+TYPED_TEST(LayerBadInput, OutputBiasLength) {
+  auto& o = this->p.w.o;
+  const Index rows = o.weight.rows();
+  o.bias = headmix::Vector<double>::Zero(rows - 1);
+  EXPECT_SHAPE_ERROR(this->build(), "o.bias", "expected " + shape_text({rows}), "got " + shape_text({rows - 1}));
+}
+
 // set_options() validates like the constructor and keeps the old options
 // when the new ones are invalid, so a layer never runs broken.
 TYPED_TEST(LayerBadInput, SetOptionsValidatesAndKeepsTheOldOptions) {
@@ -373,8 +393,7 @@ TYPED_TEST(LayerBadInput, QueryWidth) {
   const Dims d = this->d;
   auto in = this->p.input();
   in.query = this->query(d.B, d.T, d.D - 1);
-  EXPECT_SHAPE_ERROR(this->forward(in, this->out_view()), "input.query", "expected " + shape_text({d.B, d.T, d.D}),
-                     "got " + shape_text({d.B, d.T, d.D - 1}));
+  this->expect_input_error(in, "input.query", {d.B, d.T, d.D}, {d.B, d.T, d.D - 1});
 }
 
 TYPED_TEST(LayerBadInput, ZeroLengthQuery) {
@@ -399,11 +418,9 @@ TYPED_TEST(LayerBadInput, KeyPaddingMaskShape) {
   auto in = this->p.input();
   std::vector<std::uint8_t> padding(static_cast<std::size_t>(d.B * d.S), 0);
   in.key_padding = headmix::KeyPadding{padding.data(), d.B, d.S - 1};
-  EXPECT_SHAPE_ERROR(this->forward(in, this->out_view()), "input.key_padding_mask",
-                     "expected " + shape_text({d.B, d.S}), "got " + shape_text({d.B, d.S - 1}));
+  this->expect_input_error(in, "input.key_padding_mask", {d.B, d.S}, {d.B, d.S - 1});
   in.key_padding = headmix::KeyPadding{padding.data(), 1, d.S};
-  EXPECT_SHAPE_ERROR(this->forward(in, this->out_view()), "input.key_padding_mask",
-                     "expected " + shape_text({d.B, d.S}), "got " + shape_text({1, d.S}));
+  this->expect_input_error(in, "input.key_padding_mask", {d.B, d.S}, {1, d.S});
 }
 
 TYPED_TEST(LayerBadInput, OutputBufferShape) {
@@ -450,16 +467,14 @@ TYPED_TEST(CrossKeyBadInput, KeyWidth) {
   const Dims d = this->d;
   auto in = this->p.input();
   in.key = this->key(d.B, d.S, d.Dkv - 1);
-  EXPECT_SHAPE_ERROR(this->forward(in, this->out_view()), "input.key", "expected " + shape_text({d.B, d.S, d.Dkv}),
-                     "got " + shape_text({d.B, d.S, d.Dkv - 1}));
+  this->expect_input_error(in, "input.key", {d.B, d.S, d.Dkv}, {d.B, d.S, d.Dkv - 1});
 }
 
 TYPED_TEST(CrossKeyBadInput, KeyBatchNotQueryBatch) {
   const Dims d = this->d;
   auto in = this->p.input();
   in.key = this->key(1, d.S, d.Dkv);
-  EXPECT_SHAPE_ERROR(this->forward(in, this->out_view()), "input.key", "expected " + shape_text({d.B, d.S, d.Dkv}),
-                     "got " + shape_text({1, d.S, d.Dkv}));
+  this->expect_input_error(in, "input.key", {d.B, d.S, d.Dkv}, {1, d.S, d.Dkv});
 }
 
 TYPED_TEST(CrossKeyBadInput, ZeroLengthKey) {

@@ -28,7 +28,6 @@ namespace {
 
 using namespace headmix_test;
 using headmix::AttentionTensor;
-using headmix::Index;
 using headmix::PositionMask;
 using headmix::Workspace;
 

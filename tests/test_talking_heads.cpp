@@ -41,18 +41,9 @@
 
 namespace {
 
-using namespace headmix_test;
-
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
-
 using namespace th_case;  // Shape/Problem/run/expect_matches_reference: cases/talking_heads.hpp
 
-template <class T>
-class TalkingHeadsTest : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(TalkingHeadsTest, Scalars);
+HEADMIX_TYPED_OVER_SCALARS(TalkingHeadsTest);
 
 // ---------------------------------------------------------------------------
 // Agreement with the reference
@@ -344,15 +335,10 @@ TYPED_TEST(TalkingHeadsTest, FullyMaskedRowGivesBiasAndZeroWeights) {
     SCOPED_TRACE("variant " + std::to_string(variant));
     expect_matches_reference(p);
     const Result<T> got = run(p);
-    for (Index i = 0; i < got.out.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.out[i])));
-    for (Index i = 0; i < got.probs.size(); ++i) ASSERT_TRUE(std::isfinite(static_cast<double>(got.probs[i])));
-    const auto masked = got.out.batch().item(1);
-    for (Index i = 0; i < s.T; ++i)
-      for (Index c = 0; c < s.out_dim(); ++c)
-        EXPECT_EQ(masked(i, c), s.out_proj && s.bias ? p.w.o.bias(c) : T(0)) << "row " << i << " col " << c;
-    for (Index c = 0; c < s.Hv; ++c)
-      for (Index i = 0; i < s.T; ++i)
-        for (Index j = 0; j < s.S; ++j) EXPECT_EQ(got.probs[((1 * s.Hv + c) * s.T + i) * s.S + j], T(0));
+    ASSERT_TRUE(all_finite("output", got.out));
+    ASSERT_TRUE(all_finite("probs", got.probs));
+    expect_rows_output(got, 1, s.T, [&](Index c) { return s.out_proj && s.bias ? p.w.o.bias(c) : T(0); });
+    expect_rows_weights_zero(got, 1, s.T);
   }
 }
 
@@ -364,12 +350,10 @@ TYPED_TEST(TalkingHeadsTest, CausalNegativeOffsetFullyMasksFirstRows) {
   const Shape& s = p.s;
   expect_matches_reference(p);
   const Result<T> got = run(p);
-  for (Index b = 0; b < s.B; ++b)
-    for (Index i = 0; i < 3; ++i) {
-      for (Index c = 0; c < s.out; ++c) EXPECT_EQ(got.out.batch().item(b)(i, c), p.w.o.bias(c)) << b << "," << i;
-      for (Index c = 0; c < s.Hv; ++c)
-        for (Index j = 0; j < s.S; ++j) EXPECT_EQ(got.probs[((b * s.Hv + c) * s.T + i) * s.S + j], T(0));
-    }
+  for (Index b = 0; b < s.B; ++b) {
+    expect_rows_output(got, b, 3, [&](Index c) { return p.w.o.bias(c); });
+    expect_rows_weights_zero(got, b, 3);
+  }
   shape.offset = -20;  // nothing visible anywhere
   expect_matches_reference(make_problem<T>(shape, 36));
 }
@@ -597,11 +581,11 @@ TYPED_TEST(TalkingHeadsTest, FusedMixSoftmaxMixMatchesLoopsForAnyChunk) {
 
 // A valid cross-attention setup with three different head counts (D != Dkv,
 // Dk != Dv, out != D); each test breaks exactly one thing.
-class TalkingHeadsBadInput : public ::testing::Test {
+class TalkingHeadsBadInput : public CrossBadInput<headmix::TalkingHeads<double>, headmix::TalkingHeadsWeights<double>, headmix::TalkingHeadsOptions> {
  protected:
   static constexpr int B = 2, T = 5, S = 7, D = 16, Dkv = 12, Hk = 2, H = 3, Hv = 4, Dk = 4, Dv = 3, Out = 10;
 
-  TalkingHeadsBadInput() {
+  TalkingHeadsBadInput() : CrossBadInput(B, T, S, D, Dkv, Out) {
     Rng rng(99);
     w.q = random_linear<double>(rng, Hk * Dk, D, true);
     w.k = random_linear<double>(rng, Hk * Dk, Dkv, true);
@@ -612,27 +596,7 @@ class TalkingHeadsBadInput : public ::testing::Test {
     opt.num_heads = H;
     opt.key_heads = Hk;
     opt.value_heads = Hv;
-    xq = random_matrix<double>(rng, B * T, D, 1.0);
-    xk = random_matrix<double>(rng, B * S, Dkv, 1.0);
-    out.resize(B * T, Out);
   }
-
-  headmix::AttentionInput<double> input() const {
-    return {headmix::ConstBatchView<double>(xq.data(), B, T, D), headmix::ConstBatchView<double>(xk.data(), B, S, Dkv),
-            headmix::KeyPadding{padding.data(), B, S}};
-  }
-  headmix::BatchView<double> out_view() { return headmix::BatchView<double>(out.data(), B, T, Out); }
-  void build() const { headmix::TalkingHeads<double> layer(w, opt); }
-  void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
-    headmix::TalkingHeads<double> layer(w, opt);
-    headmix::Workspace<double> ws;
-    layer.forward(in, dst, ws);
-  }
-
-  headmix::TalkingHeadsWeights<double> w;
-  headmix::TalkingHeadsOptions opt;
-  Matrix<double> xq, xk, out;
-  std::vector<std::uint8_t> padding = std::vector<std::uint8_t>(B * S, 0);
 };
 
 TEST_F(TalkingHeadsBadInput, ValidSetupRuns) { EXPECT_NO_THROW(forward(input(), out_view())); }
@@ -690,15 +654,7 @@ TEST_F(TalkingHeadsBadInput, ValueBiasLength) {
   EXPECT_SHAPE_ERROR(build(), "v.bias", "expected [12]", "got [11]");
 }
 
-TEST_F(TalkingHeadsBadInput, OutputWeightColumnsNotValueHeadsTimesValueDim) {
-  w.o.weight.conservativeResize(Out, Hv * Dv - 1);
-  EXPECT_SHAPE_ERROR(build(), "o.weight", "expected [10, 12]", "got [10, 11]");
-}
 
-TEST_F(TalkingHeadsBadInput, OutputBiasLength) {
-  w.o.bias.conservativeResize(Out - 1);
-  EXPECT_SHAPE_ERROR(build(), "o.bias", "expected [10]", "got [9]");
-}
 
 TEST_F(TalkingHeadsBadInput, PreMixRowsNotNumHeads) {
   w.pre_softmax.resize(H + 1, Hk);

@@ -36,10 +36,6 @@ namespace {
 
 using namespace headmix_test;
 
-using headmix::Index;
-using headmix::Matrix;
-using headmix::Tensor;
-
 constexpr int kCallers = 4;  // concurrent caller threads
 constexpr int kRounds = 3;   // times each caller runs every call
 
@@ -186,10 +182,17 @@ Tensor<T> decode_all(const Input<T>& in, Index out_dim, Step&& step) {
   return all;
 }
 
-template <class T>
-class ThreadSafety : public ::testing::Test {};
-using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(ThreadSafety, Scalars);
+// Three cross-attention calls of different lengths through one layer, run
+// concurrently and serially.
+template <class T, class Layer>
+void expect_cross_calls_thread_safe(const Layer& layer, Rng& rng, Index D, Index Dkv, const std::string& what) {
+  const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
+  std::vector<Call<T>> calls;
+  for (const auto& in : xs) calls.push_back(forward_with_probs<T>(layer, in));
+  expect_concurrent_equals_serial<T>(what, calls);
+}
+
+HEADMIX_TYPED_OVER_SCALARS(ThreadSafety);
 
 TYPED_TEST(ThreadSafety, Mha) {
   using T = TypeParam;
@@ -232,11 +235,7 @@ TYPED_TEST(ThreadSafety, TalkingHeads) {
     headmix::TalkingHeadsOptions o;
     o.num_heads = h, o.key_heads = hk, o.value_heads = hv, o.causal = true, o.block_rows = 8, o.threads = threads;
     const headmix::TalkingHeads<T> layer(w, o);
-    const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
-    std::vector<Call<T>> calls;
-    for (const auto& in : xs)
-      calls.push_back(forward_with_probs<T>(layer, in));
-    expect_concurrent_equals_serial<T>("talking_heads threads=" + std::to_string(threads), calls);
+    expect_cross_calls_thread_safe<T>(layer, rng, D, Dkv, "talking_heads threads=" + std::to_string(threads));
   }
 }
 
@@ -254,11 +253,7 @@ TYPED_TEST(ThreadSafety, CollabHead) {
     headmix::CollabHeadOptions o;
     o.num_heads = H, o.causal = true, o.causal_offset = -1, o.block_rows = 8, o.threads = threads;
     const headmix::CollabHead<T> layer(w, o);
-    const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
-    std::vector<Call<T>> calls;
-    for (const auto& in : xs)
-      calls.push_back(forward_with_probs<T>(layer, in));
-    expect_concurrent_equals_serial<T>("collab threads=" + std::to_string(threads), calls);
+    expect_cross_calls_thread_safe<T>(layer, rng, D, Dkv, "collab threads=" + std::to_string(threads));
   }
 }
 

@@ -111,6 +111,16 @@ using headmix::Vector;
 // The tests' random engine; each test seeds its own.
 using Rng = std::mt19937;
 
+// A suite typed over float and double: HEADMIX_TYPED_OVER_SCALARS(Name);
+// then TYPED_TEST(Name, ...) with TypeParam the scalar.
+template <class T>
+class ScalarTest : public ::testing::Test {};
+using FloatAndDouble = ::testing::Types<float, double>;
+#define HEADMIX_TYPED_OVER_SCALARS(Name)       \
+  template <class T>                           \
+  using Name = ::headmix_test::ScalarTest<T>; \
+  TYPED_TEST_SUITE(Name, ::headmix_test::FloatAndDouble)
+
 // One draw from U[lo, hi).
 template <class G>
 double uniform(G& rng, double lo, double hi) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "headmix/headmix.hpp"
+#include "cases/common.hpp"
 #include "test_util.hpp"
 #include "headmix/variants/collab_head.hpp"
 #include "reference/collab_reference.hpp"
@@ -69,16 +70,6 @@ std::string describe(const Shape& s) {
 }
 
 template <class T>
-headmix_ref::RefLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::RefLinear>(lin);
-}
-
-template <class T>
-headmix_ref::RefBatch to_ref_batch(const Matrix<T>& m, int batch) {
-  return ref_batch_as<headmix_ref::RefBatch>(m, batch);
-}
-
-template <class T>
 Matrix<T> make_mixing(Rng& rng, const Shape& s) {
   Matrix<T> m = random_matrix<T>(rng, s.H, s.R, 1.0);
   if (s.mixing == Mixing::block) {
@@ -108,25 +99,16 @@ struct Problem {
   std::vector<std::uint8_t> padding;  // [B, S] or empty
 
   headmix::CollabHeadOptions options() const {
-    headmix::CollabHeadOptions o;
-    o.num_heads = s.H;
-    o.causal = s.causal;
-    o.causal_offset = s.offset;
-    o.window = s.window;
-    if (s.scale != 0) o.scale = s.scale;
-    o.block_rows = s.block_rows;
+    auto o = dense_options<headmix::CollabHeadOptions>(s);
     o.key_block = s.key_block;
-    o.threads = s.threads;
+    if (s.scale != 0) o.scale = s.scale;
     return o;
   }
   headmix::CollabHead<T> layer() const { return headmix::CollabHead<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
-    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
-    return in;
-  }
+  std::vector<Index> out_shape() const { return {s.B, s.T, s.out_dim()}; }
+  std::vector<Index> probs_shape() const { return {s.B, s.H, s.T, s.S}; }
+  headmix::AttentionInput<T> input() const { return dense_input(s, xq, xk, padding); }
+  std::string describe() const { return collab_case::describe(s); }
   headmix_ref::RefCollabWeights ref_weights() const {
     headmix_ref::RefCollabWeights r;
     r.num_heads = s.H, r.shared_dim = s.R, r.embed_dim = s.D, r.key_dim = s.Dkv;
@@ -139,16 +121,14 @@ struct Problem {
   }
   headmix_ref::RefMhaResult reference() const {
     headmix_ref::RefCollabOptions ro;
-    ro.causal = s.causal;
-    ro.causal_offset = s.offset;
-    ro.window = s.window;
+    ro.causal = s.causal, ro.causal_offset = s.offset, ro.window = s.window;
     // The shape's scale, or 0: the reference's own default from collab.md,
     // 1/sqrt(R/H), never the layer's (which the float layer rounds to float).
     ro.scale = s.scale;
-    const headmix_ref::RefBatch q = to_ref_batch(xq, s.B);
-    if (!s.cross) return headmix_ref::collab_reference(ref_weights(), ro, q, nullptr, padding);
-    const headmix_ref::RefBatch k = to_ref_batch(xk, s.B);
-    return headmix_ref::collab_reference(ref_weights(), ro, q, &k, padding);
+    const auto rw = ref_weights();
+    return dense_reference<headmix_ref::RefBatch>(s, xq, xk, [&](const auto& q, const auto* k) {
+      return headmix_ref::collab_reference(rw, ro, q, k, padding);
+    });
   }
 };
 
@@ -174,46 +154,8 @@ Problem<T> make_problem(Shape s, unsigned seed) {
     p.w.layer_norm.weight = random_matrix<T>(rng, s.D, 1, 0.5, 1.5);
     p.w.layer_norm.bias = random_matrix<T>(rng, s.D, 1, 0.5);
   }
-  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
+  draw_dense_inputs(rng, p);
   return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const Result<T> got = run(p);
-  const headmix_ref::RefMhaResult want = p.reference();
-  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.S}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
 }
 
 }  // namespace collab_case

@@ -4,6 +4,8 @@
 #pragma once
 
 #include "test_util.hpp"
+#include "cases/common.hpp"
+#include "cases/ref_adapters.hpp"
 #include "headmix/headmix.hpp"
 #include "reference/dcmha_reference.hpp"
 #include "conformance/case_dcmha.hpp"
@@ -91,23 +93,11 @@ struct Problem {
     return o;
   }
   Dcmha<T> layer() const { return Dcmha<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(x.data(), c.B, c.T, c.D);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), c.B, c.T};
-    return in;
-  }
-  headmix_ref::RefDcmhaWeights ref_weights() const {
-    headmix_ref::RefDcmhaWeights r;
-    r.D = c.D, r.H = c.H, r.dk = c.dk, r.dv = c.dv, r.out = c.out, r.G = c.G, r.R = c.R, r.K = c.K;
-    r.wq = widen(w.q.weight), r.bq = widen(w.q.bias);
-    r.wk = widen(w.k.weight), r.bk = widen(w.k.bias);
-    r.wv = widen(w.v.weight), r.bv = widen(w.v.bias);
-    r.wo = widen(w.o.weight), r.bo = widen(w.o.bias);
-    r.dw1 = widen(w.dw1), r.qkw = widen(w.qkw), r.dd = widen(w.dd);
-    r.pre_w = widen(w.pre_w), r.post_w = widen(w.post_w);
-    return r;
-  }
+  headmix::AttentionInput<T> input() const { return self_input(x, c.B, c.T, c.D, padding); }
+  std::string describe() const { return dcmha_case::describe(c); }
+  std::vector<Index> out_shape() const { return {c.B, c.T, c.out_dim()}; }
+  std::vector<Index> probs_shape() const { return {c.B, c.H, c.T, c.T}; }
+  headmix_ref::RefDcmhaWeights ref_weights() const { return ref_dcmha_weights(w, c.D, c.H, c.G, c.R); }
   headmix_ref::RefDcmhaOptions ref_options() const {
     headmix_ref::RefDcmhaOptions o;
     o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
@@ -158,24 +148,6 @@ Problem<T> make_problem(const Config& c, unsigned seed) {
 // ---------------------------------------------------------------------------
 // Running and comparing
 
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.c.B, p.c.T, p.c.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
 // Same shape and equal entries, NaN matching NaN. Unlike
 // headmix_test::bit_identical, +0 and -0 (and NaN payloads) count as equal.
 template <class T>
@@ -196,17 +168,6 @@ double max_abs(const std::vector<double>& a) {
   double m = 0;
   for (double v : a) m = std::max(m, std::abs(v));
   return m;
-}
-
-// Compare output and weights with the reference.
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.c));
-  const auto want = p.reference();
-  const Result<T> got = run(p);
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.c.B, p.c.H, p.c.T, p.c.T}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
 }
 
 }  // namespace dcmha_case

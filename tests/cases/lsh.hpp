@@ -4,6 +4,7 @@
 #pragma once
 
 #include "headmix/headmix.hpp"
+#include "cases/common.hpp"
 #include "test_util.hpp"
 #include "reference/lsh_reference.hpp"
 #include <cmath>
@@ -53,52 +54,34 @@ std::string describe(const Shape& s) {
 }
 
 template <class T>
-headmix_ref::LshRefLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::LshRefLinear>(lin);
-}
-
-template <class T>
 struct Problem {
   Shape s;
   headmix::LshWeights<T> w;          // with explicit rotations
   Matrix<T> x;                       // [B*T, D]
   std::vector<std::uint8_t> padding;  // [B, T] or empty
 
+  // The layer's options and the reference's share their field names.
+  template <class O>
+  O common_options() const {
+    O o;
+    o.num_heads = s.H, o.bucket_size = s.bs, o.n_hashes = s.NH, o.n_buckets = s.NB, o.causal = s.causal;
+    o.attend_across_buckets = s.across, o.allow_duplicate_attention = s.dup, o.rotations_per_head = s.per_head;
+    return o;
+  }
   headmix::LshOptions options() const {
-    headmix::LshOptions o;
-    o.num_heads = s.H;
-    o.bucket_size = s.bs;
-    o.n_hashes = s.NH;
-    o.n_buckets = s.NB;
-    o.causal = s.causal;
-    o.attend_across_buckets = s.across;
-    o.allow_duplicate_attention = s.dup;
-    o.rotations_per_head = s.per_head;
+    auto o = common_options<headmix::LshOptions>();
     o.threads = s.threads;
     return o;
   }
   headmix::Lsh<T> layer() const { return headmix::Lsh<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(x.data(), s.B, s.T, s.D);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.T};
-    return in;
-  }
+  headmix::AttentionInput<T> input() const { return self_input(x, s.B, s.T, s.D, padding); }
+  std::string describe() const { return lsh_case::describe(s); }
+  std::vector<Index> out_shape() const { return {s.B, s.T, s.out_dim()}; }
+  std::vector<Index> probs_shape() const { return {s.B, s.H, s.T, s.T}; }
   headmix_ref::LshRefWeights ref_weights() const {
     return {to_ref(w.qk), to_ref(w.v), to_ref(w.o), widen(w.rotations.data(), w.rotations.size())};
   }
-  headmix_ref::LshRefOptions ref_options() const {
-    headmix_ref::LshRefOptions o;
-    o.num_heads = s.H;
-    o.bucket_size = s.bs;
-    o.n_hashes = s.NH;
-    o.n_buckets = s.NB;
-    o.causal = s.causal;
-    o.attend_across_buckets = s.across;
-    o.allow_duplicate_attention = s.dup;
-    o.rotations_per_head = s.per_head;
-    return o;
-  }
+  headmix_ref::LshRefOptions ref_options() const { return common_options<headmix_ref::LshRefOptions>(); }
   headmix_ref::LshRefResult reference(bool hash_only = false, bool per_round_count = false) const {
     auto o = ref_options();
     o.per_round_duplicate_count = per_round_count;
@@ -138,10 +121,7 @@ Problem<T> make_problem(const Shape& s, unsigned seed) {
     if (s.out_bias) p.w.o.bias = normal_matrix<T>(rng, s.out, 1, 0.1);
   }
   p.x = normal_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.T);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
+  p.padding = random_padding(rng, s.B, s.T, s.pad_rate);
   for (int attempt = 0;; ++attempt) {  // see the file comment
     p.w.rotations = random_rotations<T>(rng, s);
     const double margin = p.reference(true).min_hash_margin;
@@ -153,25 +133,6 @@ Problem<T> make_problem(const Shape& s, unsigned seed) {
 
 // ---------------------------------------------------------------------------
 // Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws, bool with_probs = true) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, with_probs ? &r.probs : nullptr);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p, bool with_probs = true) {
-  headmix::Workspace<T> ws;
-  return run(p, ws, with_probs);
-}
 
 template <class T>
 ::testing::AssertionResult same_buckets(const Problem<T>& p, const headmix_ref::LshRefResult& want) {
@@ -189,15 +150,9 @@ template <class T>
 /// Buckets, output and dense weights against the reference.
 template <class T>
 void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const headmix_ref::LshRefResult want = p.reference();
-  ASSERT_TRUE(same_buckets(p, want));
-  const Result<T> got = run(p);
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.H, p.s.T, p.s.T}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
-  const Result<T> without_probs = run(p, false);  // the path that keeps no tiles
-  EXPECT_TRUE(all_close("output without probs", without_probs.out, want.output, tol));
+  ASSERT_TRUE(same_buckets(p, p.reference(true))) << p.describe();
+  compare_with_reference(p, tol);
+  compare_with_reference(p, tol, false);  // the path that keeps no tiles
 }
 
 }  // namespace lsh_case

@@ -5,6 +5,7 @@
 
 #include "headmix/headmix.hpp"
 #include "headmix/io/safetensors.hpp"
+#include "cases/common.hpp"
 #include "test_util.hpp"
 #include "reference/mha_reference.hpp"
 #include "reference/talking_heads_reference.hpp"
@@ -62,11 +63,6 @@ std::string describe(const Shape& s) {
 }
 
 template <class T>
-headmix_ref::RefThLinear to_ref(const headmix::Linear<T>& lin) {
-  return ref_linear_as<headmix_ref::RefThLinear>(lin);
-}
-
-template <class T>
 headmix_ref::RefMix to_ref_mix(const Matrix<T>& m) {
   return {static_cast<int>(m.rows()), static_cast<int>(m.cols()), widen(m)};
 }
@@ -85,39 +81,25 @@ struct Problem {
   std::vector<std::uint8_t> padding;  // [B, S] or empty
 
   headmix::TalkingHeadsOptions options() const {
-    headmix::TalkingHeadsOptions o;
-    o.num_heads = s.H;
-    o.key_heads = s.Hk;
-    o.value_heads = s.Hv;
-    o.causal = s.causal;
-    o.causal_offset = s.offset;
-    o.window = s.window;
+    auto o = dense_options<headmix::TalkingHeadsOptions>(s);
+    o.key_heads = s.Hk, o.value_heads = s.Hv;
     if (s.scale != 0) o.scale = s.scale;
-    o.block_rows = s.block_rows;
-    o.threads = s.threads;
     return o;
   }
   headmix::TalkingHeads<T> layer() const { return headmix::TalkingHeads<T>(w, options()); }
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = headmix::ConstBatchView<T>(xq.data(), s.B, s.T, s.D);
-    if (s.cross) in.key = headmix::ConstBatchView<T>(xk.data(), s.B, s.S, s.Dkv);
-    if (!padding.empty()) in.key_padding = headmix::KeyPadding{padding.data(), s.B, s.S};
-    return in;
-  }
+  std::vector<Index> out_shape() const { return {s.B, s.T, s.out_dim()}; }
+  std::vector<Index> probs_shape() const { return {s.B, s.Hv, s.T, s.S}; }
+  headmix::AttentionInput<T> input() const { return dense_input(s, xq, xk, padding); }
+  std::string describe() const { return th_case::describe(s); }
   headmix_ref::RefThResult reference() const {
     headmix_ref::RefThWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o), to_ref_mix(w.pre_softmax),
                                  to_ref_mix(w.post_softmax)};
     headmix_ref::RefThOptions ro;
     ro.key_heads = s.Hk, ro.heads = s.H, ro.value_heads = s.Hv;
-    ro.causal = s.causal;
-    ro.causal_offset = s.offset;
-    ro.window = s.window;
-    ro.scale = s.scale;
-    const headmix_ref::RefThBatch q = to_ref_batch(xq, s.B);
-    if (!s.cross) return headmix_ref::talking_heads_reference(rw, ro, q, nullptr, padding);
-    const headmix_ref::RefThBatch k = to_ref_batch(xk, s.B);
-    return headmix_ref::talking_heads_reference(rw, ro, q, &k, padding);
+    ro.causal = s.causal, ro.causal_offset = s.offset, ro.window = s.window, ro.scale = s.scale;
+    return dense_reference<headmix_ref::RefThBatch>(s, xq, xk, [&](const auto& q, const auto* k) {
+      return headmix_ref::talking_heads_reference(rw, ro, q, k, padding);
+    });
   }
 };
 
@@ -136,46 +118,8 @@ Problem<T> make_problem(Shape s, unsigned seed) {
   if (s.out_proj) p.w.o = random_linear<T>(rng, s.out, s.Hv * s.Dv, s.bias);
   if (s.pre) p.w.pre_softmax = random_matrix<T>(rng, s.H, s.Hk, 1.0);
   if (s.post) p.w.post_softmax = random_matrix<T>(rng, s.Hv, s.H, 1.0);
-  p.xq = random_matrix<T>(rng, s.B * s.T, s.D, 1.0);
-  if (s.cross) p.xk = random_matrix<T>(rng, s.B * s.S, s.Dkv, 1.0);
-  if (s.pad_rate > 0) {
-    p.padding.resize(static_cast<std::size_t>(s.B) * s.S);
-    for (auto& m : p.padding) m = uniform(rng, 0, 1) < s.pad_rate ? 1 : 0;
-  }
+  draw_dense_inputs(rng, p);
   return p;
-}
-
-// ---------------------------------------------------------------------------
-// Running and comparing
-
-template <class T>
-struct Result {
-  Tensor<T> out, probs;
-};
-
-template <class T>
-Result<T> run(const Problem<T>& p, headmix::Workspace<T>& ws) {
-  Result<T> r;
-  r.out = Tensor<T>({p.s.B, p.s.T, p.s.out_dim()});
-  p.layer().forward(p.input(), r.out.batch(), ws, &r.probs);
-  return r;
-}
-
-template <class T>
-Result<T> run(const Problem<T>& p) {
-  headmix::Workspace<T> ws;
-  return run(p, ws);
-}
-
-template <class T>
-void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_tolerance<T>()) {
-  SCOPED_TRACE(describe(p.s));
-  const Result<T> got = run(p);
-  const headmix_ref::RefThResult want = p.reference();
-  EXPECT_EQ(got.out.shape(), (std::vector<Index>{p.s.B, p.s.T, p.s.out_dim()}));
-  EXPECT_EQ(got.probs.shape(), (std::vector<Index>{p.s.B, p.s.Hv, p.s.T, p.s.S}));
-  EXPECT_TRUE(all_close("output", got.out, want.output, tol));
-  EXPECT_TRUE(all_close("probs", got.probs, want.probs, tol));
 }
 
 }  // namespace th_case

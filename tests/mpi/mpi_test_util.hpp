@@ -1,7 +1,9 @@
 // Helpers shared by the MPI test programs: the world's rank and size,
 // checks across ranks (an error on every rank, the same text on every
-// rank, forward_scatter against one process's rows, gathered probs), and the body of main(): run_all_tests() owns MPI_Init /
-// MPI_Finalize and prints other ranks' failures with their rank.
+// rank, forward_scatter against one process's rows, gathered probs), the
+// sequence-parallel output put back together (reassemble), and the body of
+// main(): run_all_tests() owns MPI_Init / MPI_Finalize and prints other
+// ranks' failures with their rank.
 #pragma once
 
 #include "headmix/core/error.hpp"
@@ -53,6 +55,26 @@ inline long long sum_over_ranks(long long v) {
 
 /// Every rank reaches this point and MPI's collectives are still matched.
 inline void expect_all_ranks_here() { EXPECT_EQ(sum_over_ranks(1), world_size()); }
+
+template <class T>
+MPI_Datatype mpi_type() {
+  return sizeof(T) == sizeof(float) ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+// Every rank's shard [B, rows(r), W] of a sequence split (a
+// headmix::mpi::SequenceSplit), broadcast by its rank, put back in place:
+// the whole output [B, T, W] on every rank.
+template <class T, class Split>
+headmix::Tensor<T> reassemble(const headmix::Tensor<T>& mine, const Split& split) {
+  headmix::Tensor<T> whole({mine.dim(0), split.length(), mine.dim(2)});
+  for (int r = 0; r < world_size(); ++r) {
+    headmix::Tensor<T> part({mine.dim(0), split.rows(r), mine.dim(2)});
+    if (r == world_rank()) part = mine;
+    if (part.size() > 0) MPI_Bcast(part.data(), static_cast<int>(part.size()), mpi_type<T>(), r, MPI_COMM_WORLD);
+    split.put(part.batch(), r, whole.batch());
+  }
+  return whole;
+}
 
 /// What `fn` threw: the exception's kind and message.
 template <class Fn>

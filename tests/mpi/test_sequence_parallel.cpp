@@ -36,7 +36,6 @@ namespace {
 
 using namespace headmix_test;
 using namespace headmix_mpi_test;
-using headmix::Index;
 using headmix::mpi::Communicator;
 using headmix::mpi::SequenceParallel;
 using headmix::mpi::SequenceParallelDcmha;
@@ -64,11 +63,6 @@ template <class T>
 double& worst_error() {
   static double worst = 0;
   return worst;
-}
-
-template <class T>
-MPI_Datatype mpi_type() {
-  return sizeof(T) == sizeof(float) ? MPI_FLOAT : MPI_DOUBLE;
 }
 
 // ---------------------------------------------------------------------------
@@ -216,20 +210,6 @@ struct Input {
   headmix::AttentionInput<T> mine(const Tensor<T>& shard) const { return {shard.batch(), {}, key_padding()}; }
 };
 
-// Every rank's shard [B, rows(r), W], broadcast by its rank, put back in
-// place: the whole output [B, T, W] on every rank.
-template <class T>
-Tensor<T> reassemble(const Tensor<T>& mine, const SequenceSplit& split) {
-  Tensor<T> whole({mine.dim(0), split.length(), mine.dim(2)});
-  for (int r = 0; r < world_size(); ++r) {
-    Tensor<T> part({mine.dim(0), split.rows(r), mine.dim(2)});
-    if (r == world_rank()) part = mine;
-    if (part.size() > 0) MPI_Bcast(part.data(), static_cast<int>(part.size()), mpi_type<T>(), r, MPI_COMM_WORLD);
-    split.put(part.batch(), r, whole.batch());
-  }
-  return whole;
-}
-
 // The sharded forward against the one-process layer for every case:
 // output rows (reassembled), a second call with the same workspace, the
 // counted bytes and the flops. Returns nothing; records the worst error.
@@ -269,10 +249,7 @@ void expect_equal_to_one_process(const Weights& w, const Options& base, unsigned
 // ---------------------------------------------------------------------------
 // Tests
 
-template <class T>
-class SequenceParallelTest : public ::testing::Test {};
-using Types = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(SequenceParallelTest, Types);
+HEADMIX_TYPED_OVER_SCALARS(SequenceParallelTest);
 
 TYPED_TEST(SequenceParallelTest, MhaEqualsOneProcess) {
   using T = TypeParam;

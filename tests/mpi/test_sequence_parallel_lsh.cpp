@@ -33,7 +33,6 @@ namespace {
 
 using namespace headmix_test;
 using namespace headmix_mpi_test;
-using headmix::Index;
 using headmix::mpi::Communicator;
 using headmix::mpi::SequenceParallelLsh;
 using headmix::mpi::SequenceSplit;
@@ -69,11 +68,6 @@ template <class T>
 Record<T>& record() {
   static Record<T> r;
   return r;
-}
-
-template <class T>
-MPI_Datatype mpi_type() {
-  return sizeof(T) == sizeof(float) ? MPI_FLOAT : MPI_DOUBLE;
 }
 
 // ---------------------------------------------------------------------------
@@ -122,20 +116,6 @@ Problem<T> problem(const Case& c, unsigned seed) {
   return p;
 }
 
-// Every rank's shard [B, rows(r), W], broadcast by its rank, put back in
-// place: the whole output [B, T, W] on every rank.
-template <class T>
-Tensor<T> reassemble(const Tensor<T>& mine, const SequenceSplit& split) {
-  Tensor<T> whole({mine.dim(0), split.length(), mine.dim(2)});
-  for (int r = 0; r < world_size(); ++r) {
-    Tensor<T> part({mine.dim(0), split.rows(r), mine.dim(2)});
-    if (r == world_rank()) part = mine;
-    if (part.size() > 0) MPI_Bcast(part.data(), static_cast<int>(part.size()), mpi_type<T>(), r, MPI_COMM_WORLD);
-    split.put(part.batch(), r, whole.batch());
-  }
-  return whole;
-}
-
 // The work every rank with rows repeats (per call): the qk and v
 // projections of all T positions, and the key norms and hashing of all Tp.
 struct Replicated {
@@ -150,10 +130,7 @@ Replicated replicated(const Problem<double>& p) {
 // ---------------------------------------------------------------------------
 // Tests
 
-template <class T>
-class SequenceParallelLshTest : public ::testing::Test {};
-using Types = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(SequenceParallelLshTest, Types);
+HEADMIX_TYPED_OVER_SCALARS(SequenceParallelLshTest);
 
 // Output rows (reassembled), a second call with the same workspace, the
 // counted bytes, per case.
