@@ -1226,7 +1226,7 @@ TEST(HalfCache, StepsStayWithinTheirBoundOfTheFullCache) {
   }
 }
 
-// Half the bytes for K and V; a layer whose steps read no K/V streams
+// Half the bytes for K and V; a layer whose steps read no bfloat16 streams
 // (CollabHead) refuses a bfloat16 cache by name.
 TEST(HalfCache, HalvesTheBytesAndIsRefusedWhereUnsupported) {
   std::mt19937 rng(63);
@@ -1246,7 +1246,7 @@ TEST(HalfCache, HalvesTheBytesAndIsRefusedWhereUnsupported) {
   SequenceCache<float> collab_cache(2, 32, CachePrecision::bfloat16);
   Tensor<float> yc({2, T_, collab.out_dim()});
   EXPECT_EQ(shape_error_message([&] { collab.step(x.batch(), collab_cache, yc.batch(), ws); }),
-            "[collab] cache precision: expected CachePrecision::full (this layer's steps read no K/V streams), got "
+            "[collab] cache precision: expected CachePrecision::full (this layer's steps read no bfloat16 streams), got "
             "CachePrecision::bfloat16");
 }
 

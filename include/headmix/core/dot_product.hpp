@@ -15,8 +15,10 @@
 // the operand the GEMM multiplies untransposed, and V_h as [keys, dv], so
 // that every block's product reads contiguous runs. A decoding step reads
 // them from the cache (reading()), which stores them the same way, in
-// bfloat16 when the cache holds them so: each block is widened into worker
-// scratch just before its product.
+// bfloat16 when the cache holds them so: a step's one query row multiplies
+// the stored rows as it reads them, widening each in registers; several
+// rows (grouped heads, a prompt) widen each block into worker scratch just
+// before its product.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
@@ -25,22 +27,51 @@
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace headmix {
 
-/// out[i] = in[i] for n bfloat16 values: a bfloat16 is a float's top 16
-/// bits, so widening is a shift, which compilers vectorise (Eigen 3.4's
-/// cast converted value by value: steps took twice as long).
+/// A bfloat16's bits as the float whose top 16 bits they are: widening is a
+/// shift, which compilers vectorise (Eigen 3.4's cast converted value by
+/// value: steps took twice as long).
+inline float bfloat16_bits_to_float(std::uint16_t bits) {
+  const std::uint32_t word = std::uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+inline const std::uint16_t* bfloat16_bits(const Eigen::bfloat16* in) { return reinterpret_cast<const std::uint16_t*>(in); }
+
+/// out[i] = in[i] for n bfloat16 values.
 template <class T>
 void widen_bfloat16(const Eigen::bfloat16* in, Index n, T* out) {
-  const auto* bits = reinterpret_cast<const std::uint16_t*>(in);
-  for (Index i = 0; i < n; ++i) {
-    const std::uint32_t word = std::uint32_t(bits[i]) << 16;
-    float value;
-    std::memcpy(&value, &word, sizeof value);
-    out[i] = static_cast<T>(value);
+  const std::uint16_t* bits = bfloat16_bits(in);
+  for (Index i = 0; i < n; ++i) out[i] = static_cast<T>(bfloat16_bits_to_float(bits[i]));
+}
+
+/// out[j] (+)= Σ_i weights[i] · rows[i · width + j] over n bfloat16 rows of
+/// `width` values: one query's readout from a bfloat16 cache, each stored
+/// row widened in registers as it streams past (in chunks of 64 columns,
+/// whose sums stay in L1), where widening a block first would write and
+/// reread it.
+template <class T>
+void accumulate_bfloat16_rows(const T* weights, const Eigen::bfloat16* rows, Index n, Index width, T* out,
+                              bool accumulate) {
+  constexpr Index kChunk = 64;
+  const std::uint16_t* bits = bfloat16_bits(rows);
+  for (Index j0 = 0; j0 < width; j0 += kChunk) {
+    const Index m = std::min(kChunk, width - j0);
+    T sum[kChunk];
+    for (Index j = 0; j < m; ++j) sum[j] = accumulate ? out[j0 + j] : T(0);
+    for (Index i = 0; i < n; ++i) {
+      const T a = weights[i];
+      const std::uint16_t* row = bits + i * width + j0;
+      for (Index j = 0; j < m; ++j) sum[j] += a * static_cast<T>(bfloat16_bits_to_float(row[j]));
+    }
+    std::copy_n(sum, m, out + j0);
   }
 }
 
@@ -134,6 +165,20 @@ struct DotProductStages {
     return kv_rows(v, v_heads, dv, b, c / v_group, k0, count);
   }
 
+  /// out (+)= weights · V_{c / v_group}[k0 .. k0 + weights.cols()) of batch
+  /// item b: a GEMM over values(), or, for one query row over a bfloat16
+  /// cache (a decoding step), one pass over the stored rows.
+  template <class Weights, class Out>
+  void multiply_values(const Weights& weights, Index b, Index c, Index k0, Out&& out, bool accumulate,
+                       Workspace<T>& ws, int w) const {
+    if (v_half && weights.rows() == 1 && weights.innerStride() == 1 && out.innerStride() == 1) {
+      accumulate_bfloat16_rows(weights.data(), v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv,
+                               weights.cols(), dv, out.data(), accumulate);
+      return;
+    }
+    gemm(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate);
+  }
+
  private:
   // out = lhs · K_h[k0 .. k0 + out.cols())ᵀ, from K_hᵀ (packed, cached, or
   // a bfloat16 cache's widened block) when there is one.
@@ -145,6 +190,18 @@ struct DotProductStages {
       gemm(lhs, ConstStridedMap<T>(kt + (b * k_heads + h) * dk * kt_stride + k0, dk, cols,
                                    Eigen::OuterStride<>(kt_stride)),
            out);
+    } else if (k_half && lhs.rows() == 1) {
+      // One query (a step): one pass over the rows of K_hᵀ, each widened in
+      // registers, the tile row in L1 meanwhile. Several rows (a KV group's
+      // heads, a prompt) reuse each widened block: the GEMM below.
+      const Half* from = k_half + (b * k_heads + h) * dk * kt_stride + k0;
+      T* o = out.data();
+      std::fill_n(o, cols, T(0));
+      for (Index d = 0; d < dk; ++d) {
+        const T a = lhs(0, d);
+        const std::uint16_t* keys = bfloat16_bits(from + d * kt_stride);
+        for (Index c = 0; c < cols; ++c) o[c] += a * static_cast<T>(bfloat16_bits_to_float(keys[c]));
+      }
     } else if (k_half) {  // widened 64 KiB at a time, which the product then reads from L2
       const Index chunk = std::max<Index>(64, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / 64 * 64);
       T* keys_t = ws.local(w, slot::widened_key, dk * std::min(chunk, cols));

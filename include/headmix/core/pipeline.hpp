@@ -119,17 +119,39 @@ struct DenseRun {
 template <class T>
 void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool second_tile, Index block_rows,
                          Index keys, Index key_block = 0, Index group = 1) {
-  const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys;
+  // Heads run alone over key blocks, except one query row (a step): all keys at once.
+  const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys, one_row = key_block > 0 ? group * keys : 0;
   ws.reserve_workers(std::max(1, threads));
   for (int w = 0; w < std::max(1, threads); ++w) {
     ws.local(w, slot::key_bias, keys);
     ws.local(w, slot::row_stats, 2 * block_rows * group);
-    ws.local(w, slot::tile_a, std::max(planes * block_rows, group) * tile_keys);
+    ws.local(w, slot::tile_a, std::max(std::max(planes * block_rows, group) * tile_keys, one_row));
     if (second_tile) ws.local(w, slot::tile_b, planes * block_rows * tile_keys);
   }
 }
 
 namespace detail {
+/// Policies with their own readout product, multiply_values (DotProductStages:
+/// a decoding step over a bfloat16 cache reads the stored values directly).
+template <class P, class T, class = void>
+struct multiplies_values : std::false_type {};
+template <class P, class T>
+struct multiplies_values<P, T,
+                         std::void_t<decltype(std::declval<const P&>().multiply_values(
+                             std::declval<const Eigen::Map<Matrix<T>>&>(), Index(), Index(), Index(),
+                             std::declval<Eigen::Map<Matrix<T>>&>(), true, std::declval<Workspace<T>&>(), 0))>>
+    : std::true_type {};
+
+/// out (+)= weights · V_c[k0 .. k0 + weights.cols()) of batch item b.
+template <class T, class Policy, class Weights, class Out>
+void read_values(const Policy& policy, const Weights& weights, Index b, Index c, Index k0, Out&& out, bool accumulate,
+                 Workspace<T>& ws, int w) {
+  if constexpr (multiplies_values<Policy, T>::value)
+    policy.multiply_values(weights, b, c, k0, std::forward<Out>(out), accumulate, ws, w);
+  else
+    gemm(weights, policy.values(b, c, k0, weights.cols(), ws, w), out, accumulate);
+}
+
 /// One query row of every head, `group` heads at a time stacked as the rows
 /// of one tile: they share each K block, so a score block is one GEMM that
 /// reads K once, where one head at a time would make `group`
@@ -159,7 +181,7 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
       if (shared_values)
         gemm(t, policy.values(b, h0, kb, t.cols(), ws, w), out, true);
       else
-        for (Index i = 0; i < n_heads; ++i) gemm(t.row(i), policy.values(b, h0 + i, kb, t.cols(), ws, w), out.row(i), true);
+        for (Index i = 0; i < n_heads; ++i) read_values(policy, t.row(i), b, h0 + i, kb, out.row(i), true, ws, w);
     }
     softmax.finish(out);
     if (!probs) continue;
@@ -210,7 +232,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     auto emit = [&](Index c, const Eigen::Map<Matrix<T>>& weights) {
       auto out = context.block(b * T_ + q0, c * dv, rows, dv);
       if (cols > 0)
-        gemm(weights, policy.values(b, c, k0, cols, ws, w), out);
+        detail::read_values(policy, weights, b, c, k0, out, false, ws, w);
       else
         out.setZero();
       if (probs) {
@@ -223,7 +245,10 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     };
 
     if (!mixes) {  // heads are independent: each runs alone, over blocks of keys
-      const Index key_block = std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
+      // One query row (a decoding step) takes its keys in one block: its
+      // products then stream each K_hᵀ row whole, and the row fits in L1.
+      const Index key_block = rows == 1 ? std::max<Index>(1, cols)
+                                        : std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
       const Index group = std::clamp<Index>(kv_sharing_heads(policy), 1, hv);
       T* buf = ws.local(w, slot::tile_a, rows * key_block);
       T* stats = ws.local(w, slot::row_stats, 2 * rows * group);
@@ -253,7 +278,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
             auto out = out_of(h);
             policy.score(b, h, t, q0, kb, ws, w);
             softmax_of(h).absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
-            gemm(t, policy.values(b, h, kb, t.cols(), ws, w), out, true);
+            detail::read_values(policy, t, b, h, kb, out, true, ws, w);
           }
         for (Index h = h0; h < h1; ++h) {
           auto out = out_of(h);

@@ -97,10 +97,11 @@ class SequenceCache {
   /// The layer declares its streams' widths and, optionally, how many heads
   /// each splits into (stored head-major; none given: 1 per stream); a cache
   /// set up for other widths or heads, or for another layer, is an error
-  /// naming both. `kv_streams`: how many leading streams are K and V read
-  /// through DotProductStages (0, or 2: K then V), the ones a bfloat16 cache
-  /// stores in half precision, and K transposed per head (transposed());
-  /// a layer with none cannot use a bfloat16 cache.
+  /// naming both. `kv_streams`: how many leading streams are K and V (0, or
+  /// 2: K then V), K stored transposed per head (transposed()) and, in a
+  /// bfloat16 cache, both in half precision (read through DotProductStages);
+  /// a layer with none cannot use a bfloat16 cache, and one that reads no
+  /// bfloat16 (CollabHead) refuses such a cache itself.
   void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0) {
     HEADMIX_ASSERT(kv_streams == 0 || kv_streams == 2);
     HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());

@@ -231,7 +231,8 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     parallel_for(B, opt_.threads, [&](Index b, int) {
       MatrixMap<T>(kt + b * R * S, R, S) = k.middleRows(b * S, S).transpose();
     });
-    attend(in.query, k, kt, v, cb, S, S, opt_.mask(), in.key_padding, out, ws, probs);
+    attend(in.query, {kt, S, v.data(), S * H * dv, dv, H * dv, cb, S}, S, opt_.mask(), in.key_padding, out, ws,
+           probs);
   }
 
   /// Incremental decoding, with the contract of Mha::step. Attends n new
@@ -251,18 +252,29 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     const Index B = x.batch(), n = x.length(), past = cache.size(), H = num_heads();
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
-    cache.bind(kName, {shared_dim(), H * v_head_dim(), has_content_bias() ? H : 0});
+    if (cache.precision() != CachePrecision::full)
+      detail::throw_shape(kName, "cache precision", "CachePrecision::full (this layer's steps read no bfloat16 streams)",
+                          "CachePrecision::bfloat16");
+    const Index R = shared_dim(), dv = v_head_dim(), cap = cache.capacity();
+    // The shared keys transposed ([R, capacity] per batch item) and each
+    // head's values contiguous ([capacity, dv]): a step's products stream
+    // both, as a forward's packed operands.
+    cache.bind(kName, {R, H * dv, has_content_bias() ? H : 0}, {1, H, 1}, 2);
     cache.check_room(kName, n);
-    reserve_scratch(ws, std::min(block_rows(cache.capacity()), n), cache.capacity());
+    reserve_scratch(ws, std::min(block_rows(cap), n), cap);
+    MatrixMap<T> k = ws.shared_matrix(slot::key, n, R), v = ws.shared_matrix(slot::value, n, H * dv);
     for (Index b = 0; b < B; ++b) {
       const auto xb = x.item(b);
-      key_.apply(xb, cache.stream(0, b).middleRows(past, n));
-      w_.v.apply(xb, cache.stream(1, b).middleRows(past, n));
+      key_.apply(xb, k);
+      cache.write(0, b, past, k);
+      w_.v.apply(xb, v);
+      cache.write(1, b, past, v);
       project_content_bias(xb, MatrixMap<T>(cache.stream(2, b).data() + past * cache.stream(2, b).cols(), n,
                                             cache.stream(2, b).cols()));
     }
-    attend(x, cache.stream(0), nullptr, cache.stream(1), cache.stream(2), past + n, cache.capacity(),
-           opt_.step_mask(past), {}, out, ws, probs);
+    attend(x, {cache.stream_data(0), cache.transposed_stride(), cache.stream_data(1), H * cap * dv, cap * dv, dv,
+               cache.stream(2), cap},
+           past + n, opt_.step_mask(past), {}, out, ws, probs);
     cache.advance(n);
   }
 
@@ -301,13 +313,24 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   enum : std::size_t { kMixSlot = slot::variant, kBiasSlot, kPreNormSlot };
   enum : std::size_t { kMixedQuerySlot = slot::local_variant, kHeadBiasSlot };
 
-  // Project the queries and run the pipeline over shared keys `k` (and, if
-  // not null, their transpose `kt`, [R, S] per batch item), values `v` and
-  // scaled content bias `cb` (batch item b's S rows start at row
-  // b · key_stride), then the output projection and LayerNorm.
-  void attend(ConstBatchView<T> x, MatrixMap<T> k, const T* kt, MatrixMap<T> v, MatrixMap<T> cb, Index S, Index key_stride,
-              const PositionMask& mask, const KeyPadding& padding, BatchView<T> out, Workspace<T>& ws,
-              Tensor<T>* probs) const {
+  // Where attend() reads the keys, values and content bias of S positions:
+  // Kᵀ as [R, kt_stride] per batch item (a forward packs it so, a cache
+  // stores it so); V's element (b, h, s, j) at v + b·v_batch + h·v_head +
+  // s·v_row + j (heads side by side in a forward's projection, head-major in
+  // a cache); the scaled content bias as [H] rows, key_stride per batch item.
+  struct KeyValues {
+    const T* kt;
+    Index kt_stride;
+    const T* v;
+    Index v_batch, v_head, v_row;
+    MatrixMap<T> cb;
+    Index key_stride;
+  };
+
+  // Project the queries and run the pipeline over `kv`'s first S positions,
+  // then the output projection and LayerNorm.
+  void attend(ConstBatchView<T> x, const KeyValues& kv, Index S, const PositionMask& mask, const KeyPadding& padding,
+              BatchView<T> out, Workspace<T>& ws, Tensor<T>* probs) const {
     const Index B = x.batch(), T_ = x.length(), H = num_heads(), R = shared_dim(), dv = v_head_dim();
     MatrixMap<T> q = ws.shared_matrix(slot::query, B * T_, R);
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * T_, H * dv);
@@ -316,8 +339,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     mix = scale() * w_.mixing;  // the scale rides on the mixing and the content bias, never on a [T, S] tile
 
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
-    run_dense_pipeline(Policy{q, k, v, mix, cb, kt, span_.data(), T_, key_stride, H, dv, has_content_bias()}, run,
-                       ws);
+    run_dense_pipeline(Policy{q, mix, kv, span_.data(), T_, H, dv, has_content_bias()}, run, ws);
 
     // With a LayerNorm, the pre-norm rows go to the Workspace: its buffers'
     // alignment is fixed, the caller's output's is not, and the norm's row
@@ -353,10 +375,10 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
 
   // The score and readout stages; no mixing over heads after the score.
   struct Policy {
-    MatrixMap<T> q, k, v, mix, cb;
-    const T* kt;  ///< Kᵀ [R, key_stride] per batch item, or null: k as it stands
+    MatrixMap<T> q, mix;
+    KeyValues kv;
     const std::pair<Index, Index>* span;
-    Index T_, key_stride, H, dv;
+    Index T_, H, dv;
     bool content_bias;
 
     Index score_heads() const { return H; }
@@ -377,12 +399,12 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
       }
       if (content_bias) {  // head h's bias is a strided column of cb: gather it once per tile
         Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>> bias(ws.local(worker, kHeadBiasSlot, cols), cols);
-        bias = cb.block(b * key_stride + k0, h, cols, 1).transpose();
+        bias = kv.cb.block(b * kv.key_stride + k0, h, cols, 1).transpose();
         out.rowwise() += bias;
       }
     }
-    auto values(Index b, Index h, Index k0, Index count, Workspace<T>&, int) const {
-      return v.block(b * key_stride + k0, h * dv, count, dv);
+    ConstStridedMap<T> values(Index b, Index h, Index k0, Index count, Workspace<T>&, int) const {
+      return {kv.v + b * kv.v_batch + h * kv.v_head + k0 * kv.v_row, count, dv, Eigen::OuterStride<>(kv.v_row)};
     }
 
     // Every head scores against the same shared keys, so a one-query block
@@ -405,19 +427,17 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
       } else {
         out.setZero();
       }
-      if (content_bias) out += cb.block(b * key_stride + k0, h0, cols, count).transpose();
+      if (content_bias) out += kv.cb.block(b * kv.key_stride + k0, h0, cols, count).transpose();
     }
 
    private:
     // out = mixed · K[k0 .. k0 + out.cols(), first .. first + mixed.cols())ᵀ,
-    // from the packed Kᵀ when there is one.
+    // from Kᵀ's rows.
     void times_keys(const MatrixMap<T>& mixed, Index b, Index first, Index k0, Eigen::Map<Matrix<T>> out) const {
-      const Index width = mixed.cols(), cols = out.cols();
-      if (kt)
-        gemm(mixed, ConstStridedMap<T>(kt + (b * k.cols() + first) * key_stride + k0, width, cols,
-                                       Eigen::OuterStride<>(key_stride)), out);
-      else
-        out.noalias() = mixed * k.block(b * key_stride + k0, first, cols, width).transpose();
+      const Index R = q.cols();
+      gemm(mixed, ConstStridedMap<T>(kv.kt + (b * R + first) * kv.kt_stride + k0, mixed.cols(), out.cols(),
+                                     Eigen::OuterStride<>(kv.kt_stride)),
+           out);
     }
   };
 
