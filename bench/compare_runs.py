@@ -53,6 +53,11 @@ def main():
     unmatched = len(set(first) ^ set(second))
     print(f"\n{within} of {len(rows)} ratios within ±{args.tolerance:.0%}; largest difference {abs(rows[0][0]):.1%}"
           + (f"; {unmatched} comparisons in only one run" if unmatched else ""))
+    tables = {}
+    for d, a, _ in rows:
+        tables.setdefault(a["table"], []).append(abs(d))
+    for table, diffs in tables.items():
+        print(f"  {table:10} {sum(d <= args.tolerance for d in diffs):3} of {len(diffs):3} within, largest {max(diffs):.1%}")
 
 
 if __name__ == "__main__":
