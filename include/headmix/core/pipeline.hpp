@@ -245,8 +245,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     };
 
     if (!mixes) {  // heads are independent: each runs alone, over blocks of keys
-      // One query row (a decoding step) takes its keys in one block: its
-      // products then stream each K_hᵀ row whole, and the row fits in L1.
+      // One query row (a decoding step) takes its keys in one block, a row
+      // of S scores: its products then stream each K_hᵀ row whole.
       const Index key_block = rows == 1 ? std::max<Index>(1, cols)
                                         : std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
       const Index group = std::clamp<Index>(kv_sharing_heads(policy), 1, hv);

@@ -38,8 +38,10 @@
 // values: attention memory grows with block_rows · (S + R), never H · T · S.
 //
 // Decoding: step() caches, per position, what the keys contribute — the
-// shared keys K̃ [R], the values [H·Dv] and the scaled content bias [H] —
-// in a SequenceCache, and runs the same pipeline over the cached rows.
+// shared keys K̃ [R] (stored transposed, as a forward packs them), each
+// head's values [Dv] (head-major) and the scaled content bias [H] — in a
+// SequenceCache, and runs the same pipeline over the cached rows. Memory:
+// a one-row step's tile holds all S keys for the H heads it scores at once.
 #pragma once
 
 #include "headmix/core/error.hpp"
