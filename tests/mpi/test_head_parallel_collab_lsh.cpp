@@ -415,16 +415,22 @@ Tensor<T> narrowed(const Tensor<double>& t) {
   return n;
 }
 
+// check(case, problem) for every LSH case, seeds from `seed` up.
+template <class Check>
+void for_each_lsh_case(unsigned seed, Check check) {
+  for (const LshCase& c : kLshCases) {
+    SCOPED_TRACE(c.name);
+    check(c, make_lsh_problem(c, seed++));
+  }
+}
+
 template <class T>
 class HeadParallelLshTest : public ::testing::Test {};
 TYPED_TEST_SUITE(HeadParallelLshTest, Scalars);
 
 TYPED_TEST(HeadParallelLshTest, ForwardEqualsOneProcess) {
   using T = TypeParam;
-  unsigned seed = 500;
-  for (const LshCase& c : kLshCases) {
-    SCOPED_TRACE(c.name);
-    const LshProblem p = make_lsh_problem(c, seed++);
+  for_each_lsh_case(500, [](const LshCase& c, const LshProblem& p) {
     const headmix::Lsh<T> one(narrowed<T>(p.w), p.opt);
     HeadParallelLsh<T> sharded(narrowed<T>(p.w), p.opt, Communicator(MPI_COMM_WORLD));
     const Tensor<T> x = narrowed<T>(p.x);
@@ -447,16 +453,13 @@ TYPED_TEST(HeadParallelLshTest, ForwardEqualsOneProcess) {
     const headmix::FlopCount f = sharded.flops(kBatch, kLength, kLength), f1 = one.flops(kBatch, kLength, kLength);
     EXPECT_EQ(sum_over_ranks(f.projection_macs), f1.projection_macs);
     EXPECT_EQ(sum_over_ranks(f.attention_macs), f1.attention_macs);
-  }
+  });
 }
 
 // The rotations and o's bias are read whole; qk, v and o split by heads.
 TYPED_TEST(HeadParallelLshTest, FromTensorsReadsOnlyItsShard) {
   using T = TypeParam;
-  unsigned seed = 550;
-  for (const LshCase& c : kLshCases) {
-    SCOPED_TRACE(c.name);
-    const LshProblem p = make_lsh_problem(c, seed++);
+  for_each_lsh_case(550, [](const LshCase&, const LshProblem& p) {
     const headmix::LshWeights<T> w = narrowed<T>(p.w);
     headmix::io::TensorFile file;
     put_linear(file, "attn.qk", w.qk);
@@ -465,7 +468,7 @@ TYPED_TEST(HeadParallelLshTest, FromTensorsReadsOnlyItsShard) {
     if (w.rotations.rank() != 0) put(file, "attn.rotations", w.rotations);
     const Tensor<T> x = narrowed<T>(p.x);
     expect_loads_only_its_shard<HeadParallelLsh<T>>(w, p.opt, file, "attn.", {"o.bias", "rotations"}, lsh_input(p, x));
-  }
+  });
 }
 
 TEST(HeadParallelLshErrors, ShapesThatDoNotShardAndBadInput) {
