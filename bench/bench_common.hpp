@@ -8,7 +8,10 @@
 
 #include <cmath>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace headmix::bench {
 
@@ -158,6 +161,34 @@ inline Lsh<float> make_lsh(const LayerShape& s) {
   opt.threads = s.threads;
   opt.seed = 7;
   return Lsh<float>(std::move(w), opt);
+}
+
+/// The variants the suite compares, in its tables' order (MHA first: the
+/// others are timed against it). A new variant adds its make_ function and
+/// weight_bytes above, one row here and one branch in with_layer.
+struct SuiteVariant {
+  const char* name;
+  bool windowed;    // takes a sliding window (the window table)
+  bool decodes;     // has step() (the decode and bandwidth tables)
+  bool half_cache;  // its steps may read a bfloat16 cache (the half_cache table)
+};
+inline const std::vector<SuiteVariant>& suite_variants() {
+  static const std::vector<SuiteVariant> v = {
+      {"MHA", true, true, true},   {"TalkingHeads", true, true, true}, {"CollabHead", true, true, false},
+      {"DCMHA", true, true, true}, {"LSH", false, false, false},
+  };
+  return v;
+}
+
+/// f(the suite's layer of variant `name` at shape s).
+template <class F>
+auto with_layer(const std::string& name, const LayerShape& s, F&& f) {
+  if (name == "MHA") return f(make_mha(s));
+  if (name == "TalkingHeads") return f(make_talking_heads(s));
+  if (name == "CollabHead") return f(make_collab_head(s));
+  if (name == "DCMHA") return f(make_dcmha(s));
+  if (name == "LSH") return f(make_lsh(s));
+  throw std::invalid_argument("unknown variant " + name);
 }
 
 /// Heap allocations (malloc, operator new, Eigen's aligned buffers) made by

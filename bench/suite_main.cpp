@@ -43,6 +43,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #ifdef HEADMIX_BENCH_OPENBLAS
@@ -150,8 +151,6 @@ inline void headmix_blas_threads() {
 // THREAD_TIMEOUT, ~0.1 s at 2-3 GHz) before they sleep.
 constexpr double kSpinSettleSeconds = 0.25;
 
-const std::vector<std::string> kVariants = {"MHA", "TalkingHeads", "CollabHead", "DCMHA", "LSH"};
-
 // One forward over a random [T, D] sequence, on state the side owns.
 template <class Layer>
 Side forward_side(const std::string& label, Layer layer, Index T, Index D) {
@@ -171,18 +170,15 @@ Side forward_side(const std::string& label, Layer layer, Index T, Index D) {
           }};
 }
 
+// The variant every other is timed against, and the yardsticks' and torch's peer.
+const std::string kMha = bench::suite_variants().front().name;
+
 // The variant's forward side and its analytic FLOPs at (1, T, T).
 std::pair<Side, double> variant_side(const std::string& v, const LayerShape& s, Index T) {
-  auto with = [&](auto layer) {
+  return bench::with_layer(v, s, [&](auto layer) {
     const double flops = layer.flops(1, T, T).flops();
     return std::pair<Side, double>{forward_side(v, std::move(layer), T, s.D), flops};
-  };
-  if (v == "MHA") return with(bench::make_mha(s));
-  if (v == "TalkingHeads") return with(bench::make_talking_heads(s));
-  if (v == "CollabHead") return with(bench::make_collab_head(s));
-  if (v == "DCMHA") return with(bench::make_dcmha(s));
-  if (v == "LSH") return with(bench::make_lsh(s));
-  throw std::invalid_argument("unknown variant " + v);
+  });
 }
 
 // One decoding step: one new token over a cache of S - 1 positions, the
@@ -214,31 +210,46 @@ Side step_side(const std::string& label, Layer layer, Index S, Index D, std::siz
           }};
 }
 
-// Decoding rows: every dense variant, and MHA with grouped-query attention
-// (H/8 KV heads: an eighth of the cache).
-const std::vector<std::string> kDecoders = {"MHA", "MHA GQA", "TalkingHeads", "CollabHead", "DCMHA"};
+// Whether Layer has step() over a cache.
+template <class Layer, class = void>
+struct decodes : std::false_type {};
+template <class Layer>
+struct decodes<Layer, std::void_t<decltype(std::declval<const Layer&>().step(
+                          std::declval<ConstBatchView<float>>(), std::declval<SequenceCache<float>&>(),
+                          std::declval<BatchView<float>>(), std::declval<Workspace<float>&>()))>> : std::true_type {};
 
-// Decoders whose caches may hold K and V in bfloat16.
-const std::vector<std::string> kHalfDecoders = {"MHA", "MHA GQA", "TalkingHeads", "DCMHA"};
+// Decoding rows: every variant that decodes, and after MHA its grouped-query
+// form (H/8 KV heads: an eighth of the cache). Each row: its label, its
+// variant, and whether its steps may read a bfloat16 cache.
+struct DecodeRow {
+  std::string label, variant;
+  bool half_cache;
+};
+std::vector<DecodeRow> decode_rows() {
+  std::vector<DecodeRow> rows;
+  for (const bench::SuiteVariant& v : bench::suite_variants()) {
+    if (!v.decodes) continue;
+    rows.push_back({v.name, v.name, v.half_cache});
+    if (rows.size() == 1) rows.push_back({std::string(v.name) + " GQA", v.name, v.half_cache});
+  }
+  return rows;
+}
 
+// A decoding row's sides: recomputing the whole sequence, and one step.
 // `cache_bytes` and `weight_bytes`: what one step reads.
-std::pair<Side, Side> decode_sides(const std::string& v, const LayerShape& s, Index S, std::size_t& cache_bytes,
+std::pair<Side, Side> decode_sides(const DecodeRow& row, LayerShape s, Index S, std::size_t& cache_bytes,
                                    std::size_t& weight_bytes, CachePrecision precision = CachePrecision::full) {
+  if (row.label != row.variant) s.kv_heads = std::max<Index>(1, s.H / 8);  // the GQA row
   const std::string step = precision == CachePrecision::full ? " step" : " bf16 step";
-  auto with = [&](auto make) {
-    weight_bytes = bench::weight_bytes(make(s));
-    return std::pair<Side, Side>{forward_side(v + " recompute", make(s), S, s.D),
-                                 step_side(v + step, make(s), S, s.D, cache_bytes, precision)};
-  };
-  if (v == "MHA") return with(bench::make_mha);
-  if (v == "MHA GQA") return with([](LayerShape l) {
-      l.kv_heads = std::max<Index>(1, l.H / 8);
-      return bench::make_mha(l);
-    });
-  if (v == "TalkingHeads") return with(bench::make_talking_heads);
-  if (v == "CollabHead") return with(bench::make_collab_head);
-  if (v == "DCMHA") return with([](const LayerShape& l) { return bench::make_dcmha(l); });
-  throw std::invalid_argument("no decoding for " + v);
+  return bench::with_layer(row.variant, s, [&](auto layer) -> std::pair<Side, Side> {
+    if constexpr (decodes<decltype(layer)>::value) {
+      weight_bytes = bench::weight_bytes(layer);
+      return {forward_side(row.label + " recompute", layer, S, s.D),
+              step_side(row.label + step, layer, S, s.D, cache_bytes, precision)};
+    } else {
+      throw std::invalid_argument("no decoding for " + row.label);
+    }
+  });
 }
 
 // The bandwidth yardstick: reading `bytes` once, as a step at memory
@@ -418,11 +429,12 @@ class Suite {
         for (bool causal : {false, true})
           for (int threads : plan_.variant_threads) {
             const LayerShape s{D, H, causal, threads};
-            for (std::size_t v = 1; v < kVariants.size(); ++v) {
-              auto [mha, mha_flops] = variant_side("MHA", s, T);
-              auto [var, var_flops] = variant_side(kVariants[v], s, T);
+            for (const bench::SuiteVariant& v : bench::suite_variants()) {
+              if (v.name == kMha) continue;
+              auto [mha, mha_flops] = variant_side(kMha, s, T);
+              auto [var, var_flops] = variant_side(v.name, s, T);
               json p = layer_params(s, T);
-              p["variant"] = kVariants[v];
+              p["variant"] = v.name;
               Record& r = add("vs_mha", p, var, mha, threads == 1);
               r.extra["flop_ratio"] = var_flops / mha_flops;
             }
@@ -433,7 +445,8 @@ class Suite {
     for (auto [D, H] : plan_.widths)
       for (Index T : plan_.thread_lengths)
         for (bool causal : {false, true})
-          for (const auto& v : kVariants) {
+          for (const bench::SuiteVariant& variant : bench::suite_variants()) {
+            const std::string v = variant.name;
             auto one = variant_side(v, {D, H, causal, 1}, T).first;
             auto two = variant_side(v, {D, H, causal, 2}, T).first;
             one.label = v + " 1t";
@@ -457,7 +470,7 @@ class Suite {
         gemms.push_back({openblas_gemm_side(T, D), "OpenBLAS"});
 #endif
         for (auto& [gemm, name] : gemms) {
-          auto [mha, mha_flops] = variant_side("MHA", s, T);
+          auto [mha, mha_flops] = variant_side(kMha, s, T);
           json p = layer_params(s, T);
           p["gemm"] = name;
           // scale · t(GEMM) / t(MHA) with scale = F(MHA) / F(GEMM): MHA's
@@ -479,7 +492,7 @@ class Suite {
         // At 2 threads torch's OpenBLAS worker spins for ~0.1 s after each
         // call, on the core headmix's second worker wants (paired.hpp).
         if (threads > 1) t.settle_seconds = kSpinSettleSeconds;
-        Side mha = variant_side("MHA", {D, H, causal, threads}, T).first;
+        Side mha = variant_side(kMha, {D, H, causal, threads}, T).first;
         mha.label = "headmix MHA";
         json p = layer_params({D, H, causal, threads}, T);
         p["torch_path"] = path == Path::fused ? "fused" : "module";
@@ -502,10 +515,10 @@ class Suite {
     for (Index S : plan_.bandwidth_lengths)
       if (!has(lengths, S)) lengths.push_back(S);
     for (Index S : lengths)
-      for (const std::string& v : kDecoders) {
+      for (const DecodeRow& row : decode_rows()) {
         std::size_t cache_bytes = 0, weight_bytes = 0;
-        auto [recompute, step] = decode_sides(v, s, S, cache_bytes, weight_bytes);
-        json p = {{"D", s.D}, {"H", s.H}, {"S", S}, {"variant", v}};
+        auto [recompute, step] = decode_sides(row, s, S, cache_bytes, weight_bytes);
+        json p = {{"D", s.D}, {"H", s.H}, {"S", S}, {"variant", row.label}};
         if (has(plan_.decode_lengths, S)) add("decode", p, recompute, step, true).extra["cache_bytes"] = cache_bytes;
         if (!has(plan_.bandwidth_lengths, S)) continue;
         // The step against reading its bytes once: the share of the read
@@ -514,13 +527,11 @@ class Suite {
         Record& r = add("bandwidth", p, read_side(bytes), step, true);
         r.extra["bytes_per_step"] = bytes;
         r.extra["cache_bytes"] = cache_bytes;
-        if (S != plan_.bandwidth_lengths.back() || std::find(kHalfDecoders.begin(), kHalfDecoders.end(), v) ==
-                                                        kHalfDecoders.end())
-          continue;
+        if (S != plan_.bandwidth_lengths.back() || !row.half_cache) continue;
         // The same step over a bfloat16 cache: its speed-up per token, and
         // the bytes it reads.
         std::size_t half_cache_bytes = 0;
-        auto [unused, half_step] = decode_sides(v, s, S, half_cache_bytes, weight_bytes, CachePrecision::bfloat16);
+        auto [unused, half_step] = decode_sides(row, s, S, half_cache_bytes, weight_bytes, CachePrecision::bfloat16);
         Record& h = add("half_cache", p, step, half_step, true);
         h.extra["bytes_per_step"] = half_cache_bytes + weight_bytes;
         h.extra["cache_bytes"] = half_cache_bytes;
@@ -532,17 +543,19 @@ class Suite {
   // ratio of the lengths, not its square.
   void window_scaling() {
     for (const auto& [long_T, short_T, W] : plan_.window_lengths)
-      for (std::size_t v = 0; v + 1 < kVariants.size(); ++v) {  // every dense variant
+      for (const bench::SuiteVariant& variant : bench::suite_variants()) {
+        if (!variant.windowed) continue;
+        const std::string v = variant.name;
         LayerShape s{plan_.widths.front().first, plan_.widths.front().second, true, 1};
         s.window = W;
-        auto a = variant_side(kVariants[v], s, long_T).first;
-        auto b = variant_side(kVariants[v], s, short_T).first;
-        a.label = kVariants[v] + " T=" + std::to_string(long_T);
-        b.label = kVariants[v] + " T=" + std::to_string(short_T);
+        auto a = variant_side(v, s, long_T).first;
+        auto b = variant_side(v, s, short_T).first;
+        a.label = v + " T=" + std::to_string(long_T);
+        b.label = v + " T=" + std::to_string(short_T);
         json p = layer_params(s, long_T);
         p["short_T"] = short_T;
         p["window"] = W;
-        p["variant"] = kVariants[v];
+        p["variant"] = v;
         add("window", p, a, b, true);
       }
   }
