@@ -28,4 +28,6 @@ CaseOutputs run_collab_case(const io::TensorFile& f) {
   return {to_double(out), to_double(probs), std::nullopt, {}};
 }
 
+inline const AdapterRegistration collab_adapter{"collab", {run_collab_case<double>, run_collab_case<float>}};
+
 }  // namespace headmix::conformance

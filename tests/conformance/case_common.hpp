@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -76,5 +77,21 @@ inline Index read_kv_heads(const nlohmann::json& config) {
   return config.contains("num_kv_heads") && !config["num_kv_heads"].is_null() ? config["num_kv_heads"].get<Index>()
                                                                                 : 0;
 }
+
+/// One variant's adapter: its case runner in double and in float.
+struct Adapter {
+  using Run = CaseOutputs (*)(const io::TensorFile&);
+  Run in_double, in_float;
+};
+
+/// Every adapter, by the variant name a case's metadata gives. Each
+/// case_<variant>.hpp registers its own, so the runner names no variant.
+inline std::map<std::string, Adapter>& adapters() {
+  static std::map<std::string, Adapter> all;
+  return all;
+}
+struct AdapterRegistration {
+  AdapterRegistration(const char* variant, Adapter adapter) { adapters().emplace(variant, adapter); }
+};
 
 }  // namespace headmix::conformance

@@ -54,4 +54,6 @@ CaseOutputs run_dcmha_case(const io::TensorFile& f) {
   return {to_double(out), to_double(probs), to_double(dcmha_softmax(layer, inputs.view(), ws)), {}};
 }
 
+inline const AdapterRegistration dcmha_adapter{"dcmha", {run_dcmha_case<double>, run_dcmha_case<float>}};
+
 }  // namespace headmix::conformance

@@ -60,4 +60,6 @@ CaseOutputs run_lsh_case(const io::TensorFile& f) {
   return result;
 }
 
+inline const AdapterRegistration lsh_adapter{"lsh", {run_lsh_case<double>, run_lsh_case<float>}};
+
 }  // namespace headmix::conformance

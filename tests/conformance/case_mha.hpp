@@ -21,4 +21,6 @@ CaseOutputs run_mha_case(const io::TensorFile& f) {
   return {to_double(out), to_double(probs), std::nullopt, {}};
 }
 
+inline const AdapterRegistration mha_adapter{"mha", {run_mha_case<double>, run_mha_case<float>}};
+
 }  // namespace headmix::conformance

@@ -42,4 +42,6 @@ CaseOutputs run_talking_heads_case(const io::TensorFile& f) {
   return {to_double(out), to_double(probs), to_double(talking_heads_softmax(layer, inputs.view(), ws)), {}};
 }
 
+inline const AdapterRegistration talking_heads_adapter{"talking_heads", {run_talking_heads_case<double>, run_talking_heads_case<float>}};
+
 }  // namespace headmix::conformance

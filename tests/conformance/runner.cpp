@@ -12,19 +12,13 @@
 // Prints one line per case and a closing "N passed, N failed, N skipped"
 // line; exits 0 only if at least one case ran, nothing failed and, without
 // --allow-skip, nothing was skipped.
-#include "case_mha.hpp"
-#include "case_talking_heads.hpp"
-#include "case_dcmha.hpp"
-#include "case_lsh.hpp"
-#include "case_collab.hpp"
+#include "adapters.hpp"  // every case_<variant>.hpp, listed by CMake
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <iostream>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -33,20 +27,6 @@ using namespace headmix;
 using namespace headmix::conformance;
 
 namespace {
-
-using Runner = std::function<CaseOutputs(const io::TensorFile&)>;
-
-// One entry per implemented variant: {double runner, float runner}.
-const std::map<std::string, std::pair<Runner, Runner>>& registry() {
-  static const std::map<std::string, std::pair<Runner, Runner>> r = {
-      {"mha", {run_mha_case<double>, run_mha_case<float>}},
-      {"talking_heads", {run_talking_heads_case<double>, run_talking_heads_case<float>}},
-      {"dcmha", {run_dcmha_case<double>, run_dcmha_case<float>}},
-      {"lsh", {run_lsh_case<double>, run_lsh_case<float>}},
-      {"collab", {run_collab_case<double>, run_collab_case<float>}},
-  };
-  return r;
-}
 
 struct Comparison {
   bool ok = true;
@@ -142,15 +122,15 @@ int main(int argc, char** argv) {
       auto v = f.metadata.find("variant");
       if (v == f.metadata.end()) throw std::runtime_error("no 'variant' in __metadata__");
       variant = v->second;
-      auto it = registry().find(variant);
-      if (it == registry().end()) {
+      auto it = adapters().find(variant);
+      if (it == adapters().end()) {
         std::printf("SKIP %s %s (variant not implemented)\n", variant.c_str(), file.c_str());
         ++skipped;
         continue;
       }
       const double rtol = use_float ? metadata_number(f, "rtol_f32", 1e-4) : metadata_number(f, "rtol", 1e-9);
       const double atol = use_float ? metadata_number(f, "atol_f32", 1e-5) : metadata_number(f, "atol", 1e-12);
-      const CaseOutputs got = use_float ? it->second.second(f) : it->second.first(f);
+      const CaseOutputs got = use_float ? it->second.in_float(f) : it->second.in_double(f);
 
       Comparison c;
       if (!f.contains("expected.output")) throw std::runtime_error("no expected.output");
