@@ -99,15 +99,19 @@ class SequenceCache {
   /// set up for other widths or heads, or for another layer, is an error
   /// naming both. `kv_streams`: how many leading streams are K and V (0, or
   /// 2: K then V), K stored transposed per head (transposed()) and, in a
-  /// bfloat16 cache, both in half precision (read through DotProductStages);
-  /// a layer with none cannot use a bfloat16 cache, and one that reads no
-  /// bfloat16 (CollabHead) refuses such a cache itself.
-  void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0) {
+  /// bfloat16 cache, both in half precision (read through DotProductStages).
+  /// `reads_half`: whether the layer's steps can read its K and V in
+  /// bfloat16 (CollabHead's cannot). A bfloat16 cache is refused, naming
+  /// why, by a layer with no K/V streams or one that cannot read them so.
+  void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0,
+            bool reads_half = true) {
     HEADMIX_ASSERT(kv_streams == 0 || kv_streams == 2);
     HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());
     auto heads_of = [&](std::size_t s) { return heads.rank() == 0 ? Index(1) : heads[s]; };
-    if (precision_ == CachePrecision::bfloat16 && kv_streams == 0)
-      detail::throw_shape(variant, "cache precision", "CachePrecision::full (this layer's steps read no K/V streams)",
+    if (precision_ == CachePrecision::bfloat16 && (kv_streams == 0 || !reads_half))
+      detail::throw_shape(variant, "cache precision",
+                          kv_streams == 0 ? "CachePrecision::full (this layer's steps read no K/V streams)"
+                                          : "CachePrecision::full (this layer's steps read no bfloat16 streams)",
                           "CachePrecision::bfloat16");
     if (streams_.empty() && half_streams_.empty() && size_ == 0) {
       widths_ = widths;

@@ -254,14 +254,11 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     const Index B = x.batch(), n = x.length(), past = cache.size(), H = num_heads();
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
-    if (cache.precision() != CachePrecision::full)
-      detail::throw_shape(kName, "cache precision", "CachePrecision::full (this layer's steps read no bfloat16 streams)",
-                          "CachePrecision::bfloat16");
     const Index R = shared_dim(), dv = v_head_dim(), cap = cache.capacity();
     // The shared keys transposed ([R, capacity] per batch item) and each
     // head's values contiguous ([capacity, dv]): a step's products stream
-    // both, as a forward's packed operands.
-    cache.bind(kName, {R, H * dv, has_content_bias() ? H : 0}, {1, H, 1}, 2);
+    // both, as a forward's packed operands, in float only.
+    cache.bind(kName, {R, H * dv, has_content_bias() ? H : 0}, {1, H, 1}, 2, /*reads_half=*/false);
     cache.check_room(kName, n);
     reserve_scratch(ws, std::min(block_rows(cap), n), cap);
     MatrixMap<T> k = ws.shared_matrix(slot::key, n, R), v = ws.shared_matrix(slot::value, n, H * dv);
