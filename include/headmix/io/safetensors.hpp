@@ -544,6 +544,22 @@ inline void check_rank(const std::string& name, const std::vector<Index>& shape,
                                  headmix::detail::format_shape(shape));
 }
 
+/// Tensor `name` of `shape`, or `part` of it, as a Result (Tensor, Matrix
+/// or Vector; rank 0: any rank): the one read TensorFile and
+/// SafetensorsReader share. They differ only in where the bytes come from:
+/// decode_run(first, count, out) decodes `count` stored elements from
+/// element `first` on into `out`.
+template <class Result, class DecodeRun>
+Result read_tensor(const std::string& name, const std::vector<Index>& shape, DType dtype, std::size_t rank,
+                   const headmix::AxisSlice* part, DecodeRun&& decode_run) {
+  if (rank != 0) check_rank(name, shape, rank);
+  const SliceLayout layout = slice_layout(name, shape, dtype, part);
+  Result result = sized(layout.shape, static_cast<Result*>(nullptr));
+  for (Index i = 0; i < layout.runs; ++i)
+    decode_run(layout.start + i * layout.stride, layout.run, result.data() + i * layout.run);
+  return result;
+}
+
 template <class Stored, class T>
 void encode_elements(const T* in, Index count, unsigned char* target, const std::string& context) {
   for (Index i = 0; i < count; ++i) {
@@ -948,16 +964,13 @@ headmix::Vector<T> TensorFile::vector(const std::string& name, const headmix::Ax
 template <class Result>
 Result TensorFile::read(const std::string& name, std::size_t rank, const headmix::AxisSlice* part) const {
   const StoredTensor& stored = at(name);
-  if (rank != 0) detail::check_rank(name, stored.shape, rank);
   const std::string context = detail::tensor_context(name);
   detail::check_consistent(stored, context);
-  const detail::SliceLayout layout = detail::slice_layout(name, stored.shape, stored.dtype, part);
-  Result result = detail::sized(layout.shape, static_cast<Result*>(nullptr));
   const std::size_t size = dtype_size(stored.dtype);
-  for (Index i = 0; i < layout.runs; ++i)
-    detail::decode_range(stored.dtype, stored.bytes.data() + static_cast<std::size_t>(layout.start + i * layout.stride) * size,
-                         layout.run, result.data() + i * layout.run, context);
-  return result;
+  auto decode_run = [&](Index first, Index count, auto* out) {
+    detail::decode_range(stored.dtype, stored.bytes.data() + std::size_t(first) * size, count, out, context);
+  };
+  return detail::read_tensor<Result>(name, stored.shape, stored.dtype, rank, part, decode_run);
 }
 
 inline void TensorFile::put(const std::string& name, StoredTensor t) {
@@ -1176,24 +1189,21 @@ class SafetensorsReader {
   template <class Result>
   Result read(const std::string& name, std::size_t rank, const headmix::AxisSlice* part) const {
     const TensorInfo& info = at(name);
-    if (rank != 0) detail::check_rank(name, info.shape, rank);
     const std::string context = path_ + ": " + detail::tensor_context(name);
-    const detail::SliceLayout layout = detail::slice_layout(name, info.shape, info.dtype, part);
     const std::size_t size = dtype_size(info.dtype);
     if (info.end - info.begin != static_cast<std::uint64_t>(detail::checked_numel(info.shape, info.dtype, context)) * size)
       throw io_error(context + ": its data_offsets do not match its shape");
-    Result result = detail::sized(layout.shape, static_cast<Result*>(nullptr));
     const Index chunk = std::max<Index>(1, static_cast<Index>(kChunkBytes / size));
-    std::vector<unsigned char> bytes(static_cast<std::size_t>(std::min(chunk, layout.run)) * size);
-    for (Index i = 0; i < layout.runs; ++i) {
-      for (Index done = 0; done < layout.run; done += chunk) {
-        const Index n = std::min(chunk, layout.run - done);
-        read_bytes(info.begin + static_cast<std::uint64_t>(layout.start + i * layout.stride + done) * size,
-                   bytes.data(), static_cast<std::size_t>(n) * size);
-        detail::decode_range(info.dtype, bytes.data(), n, result.data() + i * layout.run + done, context);
+    std::vector<unsigned char> bytes;
+    auto decode_run = [&](Index first, Index count, auto* out) {  // chunk by chunk
+      bytes.resize(static_cast<std::size_t>(std::min(chunk, count)) * size);
+      for (Index done = 0; done < count; done += chunk) {
+        const Index n = std::min(chunk, count - done);
+        read_bytes(info.begin + std::uint64_t(first + done) * size, bytes.data(), std::size_t(n) * size);
+        detail::decode_range(info.dtype, bytes.data(), n, out + done, context);
       }
-    }
-    return result;
+    };
+    return detail::read_tensor<Result>(name, info.shape, info.dtype, rank, part, decode_run);
   }
 
   std::string path_;
