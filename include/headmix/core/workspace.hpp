@@ -9,6 +9,7 @@
 #include "headmix/core/error.hpp"
 #include "headmix/core/types.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <vector>
 
@@ -28,6 +29,26 @@ class Workspace {
   T* local(int worker, std::size_t slot, Index count) {
     HEADMIX_ASSERT(static_cast<std::size_t>(worker) < local_.size());
     return grow(local_[static_cast<std::size_t>(worker)], slot, count);
+  }
+  /// Size slot `slot` of each of `workers` workers for `count` values, before
+  /// a parallel region: which worker takes a task varies from call to call,
+  /// so sizing only the ones that ran would let a later call allocate.
+  void reserve_local(int workers, std::size_t slot, Index count) {
+    reserve_workers(workers);
+    for (int w = 0; w < workers; ++w) local(w, slot, count);
+  }
+  /// Grow every worker's slots to the largest any worker holds, after a
+  /// parallel region whose tasks size their own scratch: the next call's
+  /// tasks may land on other workers, and then find their slots sized.
+  void even_out_workers() {
+    std::size_t slots = 0;
+    for (const auto& w : local_) slots = std::max(slots, w.size());
+    for (std::size_t s = 0; s < slots; ++s) {
+      Index widest = 0;
+      for (const auto& w : local_)
+        if (s < w.size()) widest = std::max(widest, static_cast<Index>(w[s].size()));
+      for (auto& w : local_) grow(w, s, widest);
+    }
   }
   MatrixMap<T> shared_matrix(std::size_t slot, Index rows, Index cols) {
     return MatrixMap<T>(shared(slot, rows * cols), rows, cols);

@@ -195,6 +195,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
 
     const DenseRun<T> run{B, T_, S, opt_.mask(), in.key_padding,
                           block_rows_for(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
+    reserve_compose(ws);
     run_dense_pipeline(Policy{stages(src).packed(B, S, ws, opt_.threads), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
   }
@@ -244,6 +245,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     // Bottom-right: the last new position sees all.
     const DenseRun<T> run{B, n, S, opt_.step_mask(past), {}, block_rows_for(S), opt_.threads,
                           ctx.data(), probs, opt_.keys_per_block()};
+    reserve_compose(ws);
     run_dense_pipeline(Policy{stages(src).reading(cache, ws, opt_.threads), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
     cache.advance(n);
@@ -379,6 +381,12 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
   }
 
+  // Every worker's compose scratch, before the pipeline's tasks: any worker
+  // may take a tile, so a call allocates nothing once one has sized it.
+  void reserve_compose(Workspace<T>& ws) const {
+    ws.reserve_local(std::max(1, opt_.threads), local_compose, (group_heads() + 2 * rank()) * detail::compose_chunk<T>);
+  }
+
   // One compose stage on a tile: out = in · C(t, s) per group, on the
   // visible keys of each row (others are set to 0), a column chunk of every
   // row at a time (dcmha/compose.hpp).
@@ -394,7 +402,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     // (same cache sets), so the kernels read them once, in order, into this
     // contiguous scratch and use them from there.
     constexpr Index CH = detail::compose_chunk<T>;
-    T* scratch = ws.local(w, local_compose, (M + 2 * R) * CH);
+    T* scratch = ws.local(w, local_compose, (M + 2 * R) * CH);  // sized by reserve_compose
     // The static term I + P: one mix_heads GEMM over the group's tile, except
     // on single-row tiles (decoding), where Eigen's GEMM would pack (and for
     // long caches heap-allocate) more than the M² multiply-adds per key it

@@ -281,6 +281,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
       if (probs) job.probs = probs->data() + task * count * T_;
       lsh_detail::attend_head(job, call.L, rules, ws, worker);
     });
+    ws.even_out_workers();  // the tasks sized their workers' scratch
 
     if (w_.o.empty())
       out.rows() = ctx;

@@ -91,7 +91,10 @@ class DcmhaFactors {
     const auto slot_of = [&](Index unit) {
       return slots_[static_cast<std::size_t>(unit % static_cast<Index>(slots_.size()))];
     };
-    ws.reserve_workers(std::max(1, opt_.threads));
+    const int workers = std::max(1, opt_.threads);
+    const Index task_rows = std::min(kRows, N);
+    ws.reserve_local(workers, u_slot, task_rows * ucols);
+    ws.reserve_local(workers, f_slot, task_rows * 2 * R * M);
     parallel_for((N + kRows - 1) / kRows, opt_.threads, [&](Index task, int w) {
       const Index r0 = task * kRows, rows = std::min(kRows, N - r0);
       MatrixMap<T> u(ws.local(w, u_slot, rows * ucols), rows, ucols);
