@@ -5,7 +5,11 @@
 // build the layer the file describes (fuzz/layer_check.hpp, shared with the
 // fuzz target). With HEADMIX_WRITE_FUZZ_SEEDS=<folder>, WriteFuzzSeeds
 // writes the small layer files there (how tests/fuzz/corpus/ was made).
+// Last, typed over the variants of tests/variants.hpp: from_tensors reads
+// each variant's own names under a prefix, in any storage type, and names
+// the stored tensor in its errors.
 #include "fuzz/layer_check.hpp"
+#include "variants.hpp"
 
 #include <headmix/io/safetensors.hpp>
 
@@ -138,6 +142,19 @@ std::vector<Spec> dcmha_layer(const std::string& p, bool static_w) {
                f32(p + "dc.dd", {4, 1, 8}, 0.2f)}});
   if (static_w) specs = concat({specs, {f32(p + "dc.pre_w", {1, 2, 2}, 0.3f), f32(p + "dc.post_w", {1, 2, 2}, -0.3f)}});
   return specs;
+}
+
+// The message of the io_error `fn` throws, or why there is none.
+template <class Fn>
+std::string io_error_message(Fn&& fn) {
+  try {
+    fn();
+  } catch (const io_error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("<not an io_error: ") + e.what() + ">";
+  }
+  return "<no exception>";
 }
 
 // ---- file-level catalogue ----------------------------------------------------
@@ -338,21 +355,16 @@ TEST(CheckpointFiles, OptionErrorsKeepTheirNames) {
       write_file(concat({mha_layer("attn."), {{"attn.num_heads", "I64", {}, Bytes(8, 0), std::nullopt}}}));
   const TensorFile file = parse_safetensors(bytes.data(), bytes.size());
   headmix::MhaOptions options;
+  const auto message = [&] {
+    return headmix_test::shape_error_message([&] { (void)headmix::Mha<double>::from_tensors(file, "attn.", options); });
+  };
   options.num_heads = 0;
-  try {
-    headmix::Mha<double>::from_tensors(file, "attn.", options);
-    FAIL() << "built with num_heads = 0";
-  } catch (const headmix::shape_error& e) {
-    EXPECT_EQ(std::string(e.what()).rfind("[mha] num_heads: ", 0), 0u) << e.what();
-  }
+  const std::string zero = message();
+  EXPECT_EQ(zero.rfind("[mha] num_heads: ", 0), 0u) << zero;
   // A tensor's error still gets the prefix.
   options.num_heads = 3;
-  try {
-    headmix::Mha<double>::from_tensors(file, "attn.", options);
-    FAIL() << "built with num_heads = 3";
-  } catch (const headmix::shape_error& e) {
-    EXPECT_EQ(std::string(e.what()).rfind("[mha] attn.q.weight: ", 0), 0u) << e.what();
-  }
+  const std::string three = message();
+  EXPECT_EQ(three.rfind("[mha] attn.q.weight: ", 0), 0u) << three;
 }
 
 TEST(CheckpointFiles, AHeaderThatCannotBeWrittenBackIsRefused) {
@@ -368,12 +380,8 @@ TEST(CheckpointFiles, AHeaderThatCannotBeWrittenBackIsRefused) {
   const std::size_t pad = 100'000'000 - 1000 - header_now - filler_member.size() - 1;
   const Bytes big = write_file(specs, R"("__metadata__":{"pad":")" + std::string(pad, 'x') + "\"}");
   ASSERT_EQ(big.size(), 8 + 100'000'000 - 1000 + 1000u);
-  try {
-    parse_safetensors(big.data(), big.size());
-    FAIL() << "accepted a file the writer cannot write back";
-  } catch (const io_error& e) {
-    EXPECT_NE(std::string(e.what()).find("when written back"), std::string::npos) << e.what();
-  }
+  const std::string msg = io_error_message([&] { parse_safetensors(big.data(), big.size()); });
+  EXPECT_NE(msg.find("when written back"), std::string::npos) << msg;
 }
 
 TEST(CheckpointFiles, AHugeRankIsRefusedEarly) {
@@ -383,12 +391,8 @@ TEST(CheckpointFiles, AHugeRankIsRefusedEarly) {
   for (int i = 1; i < 5'000'000; ++i) shape += ",0";
   shape += ']';
   const Bytes file = write_file({}, R"("x":{"dtype":"U8","shape":)" + shape + R"(,"data_offsets":[0,0]})");
-  try {
-    parse_safetensors(file.data(), file.size());
-    FAIL() << "parsed";
-  } catch (const io_error& e) {
-    EXPECT_NE(std::string(e.what()).find("'x': shape has more than 1024 extents"), std::string::npos) << e.what();
-  }
+  const std::string msg = io_error_message([&] { parse_safetensors(file.data(), file.size()); });
+  EXPECT_NE(msg.find("'x': shape has more than 1024 extents"), std::string::npos) << msg;
 }
 
 TEST(CheckpointFiles, WriteFuzzSeeds) {
@@ -400,6 +404,206 @@ TEST(CheckpointFiles, WriteFuzzSeeds) {
     out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     ASSERT_TRUE(out.good());
   }
+}
+
+}  // namespace
+
+// ---- from_tensors: each variant's names under a prefix ------------------------
+
+namespace {
+
+using headmix::Tensor;
+namespace vt = headmix_test::variants;
+
+// A weight as a tensor to store: a matrix [rows, cols], a vector [n].
+Tensor<double> as_tensor(const headmix::Matrix<double>& m) {
+  Tensor<double> t({m.rows(), m.cols()});
+  std::copy_n(m.data(), m.size(), t.data());
+  return t;
+}
+Tensor<double> as_tensor(const headmix::Vector<double>& v) {
+  Tensor<double> t({v.size()});
+  std::copy_n(v.data(), v.size(), t.data());
+  return t;
+}
+const Tensor<double>& as_tensor(const Tensor<double>& t) { return t; }
+bool absent(const Tensor<double>& t) { return t.rank() == 0 || t.size() == 0; }
+template <class M> bool absent(const M& m) { return m.size() == 0; }
+
+// What a stored tensor holds, read back into the weight's own type.
+void read_back(const TensorFile& f, const std::string& name, headmix::Matrix<double>& m) { m = f.matrix<double>(name); }
+void read_back(const TensorFile& f, const std::string& name, headmix::Vector<double>& v) {
+  const Tensor<double> t = f.get<double>(name);
+  v = Eigen::Map<const headmix::Vector<double>>(t.data(), t.size());
+}
+void read_back(const TensorFile& f, const std::string& name, Tensor<double>& t) { t = f.get<double>(name); }
+
+// Weights w written to f under `prefix` with the variant's names, the n-th
+// present one stored as F64, F32, BF16, F16 in turn: the weights as the file
+// holds them, and how far (relative) the storage moved any value.
+template <class W>
+struct Stored {
+  W w;
+  double worst = 0;
+};
+template <class V, class W>
+Stored<W> store(TensorFile& f, const std::string& prefix, const W& w) {
+  const DType storage[] = {DType::F64, DType::F32, DType::BF16, DType::F16};
+  Stored<W> r{w};
+  std::size_t n = 0;
+  V::for_each_tensor(r.w, [&](const std::string& name, auto& value) {
+    if (absent(value)) return;
+    const Tensor<double> before = as_tensor(value);
+    f.put(prefix + name, StoredTensor::from(before, storage[n++ % 4]));
+    read_back(f, prefix + name, value);
+    const Tensor<double>& after = as_tensor(value);
+    for (Index i = 0; i < before.size(); ++i)
+      r.worst = std::max(r.worst, std::abs(after[i] - before[i]) / (std::abs(before[i]) + 1e-6));
+  });
+  return r;
+}
+
+std::string shape_text(const std::vector<Index>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i == 0 ? "" : ", ") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+template <class V>
+class FromTensors : public testing::Test {};
+TYPED_TEST_SUITE(FromTensors, vt::AllVariants, vt::VariantName);
+
+// from_tensors reads the variant's names (<variant>.md) under a prefix,
+// stored as F64, F32, BF16 or F16: the layer holds exactly the file's
+// tensors (headmix_check::compare_layer) and computes, bit for bit, what
+// the layer built directly from the weights as the file holds them does.
+TYPED_TEST(FromTensors, ReadsTheVariantsNamesUnderAPrefix) {
+  using V = TypeParam;
+  using Layer = typename V::template Layer<double>;
+  const std::string prefix = "model.layers.3.attn.";
+  const auto shapes = V::checkpoint_shapes();
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    const auto p = V::template make<double>(shapes[i], 50 + static_cast<unsigned>(i));
+    SCOPED_TRACE(p.describe());
+    TensorFile f;
+    const auto stored = store<V>(f, prefix, p.w);
+    EXPECT_GT(stored.worst, 0.0) << "the storage types rounded nothing";
+    EXPECT_LE(stored.worst, 1.0 / 256) << "more than BF16's rounding";
+    const Layer loaded = Layer::from_tensors(f, prefix, p.options());
+    EXPECT_EQ(headmix_check::compare_layer(f, prefix, loaded), "");
+    const Layer direct(stored.w, p.options());
+    headmix::Workspace<double> ws;
+    Tensor<double> loaded_probs, direct_probs;
+    const Tensor<double> a = loaded.forward(p.input(), ws, &loaded_probs);
+    const Tensor<double> b = direct.forward(p.input(), ws, &direct_probs);
+    EXPECT_TRUE(headmix_test::bit_identical("output", a, b));
+    EXPECT_TRUE(headmix_test::bit_identical("weights", loaded_probs, direct_probs));
+  }
+}
+
+// Every stored tensor given another shape (its last extent one longer)
+// either builds a layer that holds exactly the file (the tensor sets a
+// size, as q.weight sets D) or is a shape_error naming a stored tensor,
+// prefix and all, with the shape the layer expects and the stored one (the
+// original shape, when it names the changed tensor), or naming a size. A bias whose weight is
+// missing, or a prefix the file does not hold, is an io_error naming the
+// missing tensor; an option's error keeps the option's name.
+TYPED_TEST(FromTensors, ErrorsNameTheStoredTensor) {
+  using V = TypeParam;
+  using Layer = typename V::template Layer<double>;
+  const std::string prefix = "model.layers.0.self_attn.";
+  const auto p = V::template make<double>(V::checkpoint_shapes()[0], 36);
+  TensorFile f;
+  store<V>(f, prefix, p.w);
+  int named_itself = 0;
+  for (const auto& [name, t] : f.tensors) {
+    SCOPED_TRACE(name);
+    std::vector<Index> bad = t.shape;
+    bad.back() += 1;
+    Tensor<double> wrong_value(bad);
+    wrong_value.set_zero();
+    TensorFile wrong = f;
+    wrong.put(name, StoredTensor::from(wrong_value));
+    try {
+      EXPECT_EQ(headmix_check::compare_layer(wrong, prefix, Layer::from_tensors(wrong, prefix, p.options())), "");
+    } catch (const headmix::shape_error& e) {
+      EXPECT_EQ("[" + e.variant() + "]", V::tag);
+      if (wrong.contains(e.argument())) {
+        EXPECT_EQ(e.actual(), shape_text(wrong.at(e.argument()).shape));
+      } else {  // a size the tensors set (CollabHead's out_dim against D), never a tensor the file lacks
+        EXPECT_NE(e.argument().rfind(prefix, 0), 0u) << e.what();
+      }
+      EXPECT_EQ(std::string(e.what()),
+                std::string(V::tag) + " " + e.argument() + ": expected " + e.expected() + ", got " + e.actual());
+      if (e.argument() == name) {
+        EXPECT_EQ(e.expected(), shape_text(t.shape));
+        ++named_itself;
+      }
+    }
+  }
+  EXPECT_GT(named_itself, 0);
+  for (const auto& [name, t] : f.tensors) {
+    const std::size_t at = name.size() - 5;
+    if (name.size() < 5 || name.compare(at, 5, ".bias") != 0 || !f.contains(name.substr(0, at) + ".weight")) continue;
+    TensorFile broken = f;
+    broken.tensors.erase(name.substr(0, at) + ".weight");
+    const std::string msg = io_error_message([&] { (void)Layer::from_tensors(broken, prefix, p.options()); });
+    EXPECT_NE(msg.find("'" + name.substr(0, at) + ".weight'"), std::string::npos) << msg;
+  }
+  const std::string msg = io_error_message([&] { (void)Layer::from_tensors(f, "model.layers.4.attn.", p.options()); });
+  EXPECT_NE(msg.find("'model.layers.4.attn."), std::string::npos) << msg;
+  if constexpr (V::has_block_rows) {
+    auto options = p.options();
+    options.block_rows = -1;
+    EXPECT_EQ(headmix_test::shape_error_message([&] { (void)Layer::from_tensors(f, prefix, options); }),
+              std::string(V::tag) + " block_rows: expected >= 0 (0 = automatic), got -1");
+  }
+}
+
+// ---- from_tensors: each variant's own optional parts ---------------------------
+
+// LSH: without o (the output is the concatenated heads) and without
+// rotations (seeded); a bias without its weight names the weight.
+TEST(FromTensorsOwn, LshOutputProjectionAndRotationsAreOptional) {
+  const auto p = vt::Lsh::make<double>(lsh_case::Shape(), 26);
+  TensorFile bare;
+  bare.put("qk.weight", StoredTensor::from(as_tensor(p.w.qk.weight)));
+  bare.put("v.weight", StoredTensor::from(as_tensor(p.w.v.weight)));
+  const auto minimal = headmix::Lsh<double>::from_tensors(bare, "", p.options());
+  EXPECT_EQ(minimal.out_dim(), p.s.H * p.s.dv);
+  EXPECT_TRUE(minimal.weights().rotations.shape().empty());
+  EXPECT_EQ(headmix_check::compare_layer(bare, "", minimal), "");
+}
+
+// CollabHead: a LayerNorm needs both its tensors.
+TEST(FromTensorsOwn, CollabLayerNormNeedsBothTensors) {
+  collab_case::Shape s;
+  s.layer_norm = true;
+  const auto p = vt::CollabHead::make<double>(s, 35);
+  TensorFile f;
+  store<vt::CollabHead>(f, "encoder.", p.w);
+  for (const char* part : {"encoder.layer_norm.bias", "encoder.layer_norm.weight"}) {
+    TensorFile half = f;
+    half.tensors.erase(part);
+    EXPECT_THROW((void)headmix::CollabHead<double>::from_tensors(half, "encoder.", p.options()), io_error) << part;
+  }
+}
+
+// MHA: grouped-query K and V ([Hkv·Dk, D], [Hkv·Dv, D]) are read under the
+// same names with num_kv_heads set; read as a standard MHA, the stored
+// k.weight is named.
+TEST(FromTensorsOwn, MhaGroupedQueryKvNeedTheirOption) {
+  mha_case::Shape s;
+  s.D = 8, s.H = 4, s.Hkv = 2, s.Dk = 2, s.Dv = 2, s.out = 8;
+  const auto p = vt::Mha::make<double>(s, 43);
+  const std::string prefix = "model.layers.1.self_attn.";
+  TensorFile f;
+  store<vt::Mha>(f, prefix, p.w);
+  auto options = p.options();
+  EXPECT_EQ(headmix::Mha<double>::from_tensors(f, prefix, options).num_kv_heads(), 2);
+  options.num_kv_heads = 0;
+  EXPECT_EQ(headmix_test::shape_error_message([&] { (void)headmix::Mha<double>::from_tensors(f, prefix, options); }),
+            "[mha] model.layers.1.self_attn.k.weight: expected [8, 8], got [4, 8]");
 }
 
 }  // namespace

@@ -44,56 +44,17 @@ HEADMIX_TYPED_OVER_SCALARS(CollabHeadTest);
 // Agreement with the reference
 
 TYPED_TEST(CollabHeadTest, RandomShapesMatchReference) {
-  Rng rng(20240612);
-  const Index block_choices[] = {1, 2, 3, 5, 64};
-  const Mixing mixings[] = {Mixing::dense, Mixing::dense, Mixing::block, Mixing::banded, Mixing::zero_row};
-  for (unsigned n = 0; n < 80; ++n) {
-    Shape s;
-    s.B = uniform_int(rng, 1, 3);
-    s.T = uniform_int(rng, 1, 12);
-    s.cross = uniform_int(rng, 0, 1) == 1;
-    s.S = uniform_int(rng, 1, 12);
-    s.D = uniform_int(rng, 1, 12);
-    s.Dkv = uniform_int(rng, 1, 12);
-    s.H = uniform_int(rng, 1, 4);
-    s.R = uniform_int(rng, 1, 14);
-    s.Dv = uniform_int(rng, 1, 6);
-    s.out_proj = uniform_int(rng, 0, 3) != 0;
-    s.out = uniform_int(rng, 1, 12);
-    s.content_bias = uniform_int(rng, 0, 3) != 0;
-    s.v_bias = uniform_int(rng, 0, 1) == 1;
-    s.layer_norm = uniform_int(rng, 0, 3) == 0;
+  const Index blocks[] = {1, 2, 3, 5, 64};
+  const auto own = [](Rng& rng, Shape& s) {
+    const Mixing mixings[] = {Mixing::dense, Mixing::dense, Mixing::block, Mixing::banded, Mixing::zero_row};
+    s.H = uniform_int(rng, 1, 4), s.R = uniform_int(rng, 1, 14), s.content_bias = uniform_int(rng, 0, 3) != 0;
+    s.v_bias = uniform_int(rng, 0, 1) == 1, s.layer_norm = uniform_int(rng, 0, 3) == 0;
     s.mixing = mixings[uniform_int(rng, 0, 4)];
-    s.causal = uniform_int(rng, 0, 1) == 1;
-    s.offset = s.causal ? uniform_int(rng, -3, 3) : 0;
-    s.pad_rate = uniform_int(rng, 0, 2) == 0 ? 0.3 : 0.0;
-    s.block_rows = block_choices[uniform_int(rng, 0, 4)];
     s.key_block = uniform_int(rng, 0, 3);  // 1-3: several online-softmax steps per row
-    s.threads = uniform_int(rng, 1, 3);
-    expect_matches_reference(make_problem<TypeParam>(s, 1000 + n));
-  }
-}
-
-TYPED_TEST(CollabHeadTest, SingleQuery) {
-  Shape s;
-  s.T = 1;
-  expect_matches_reference(make_problem<TypeParam>(s, 1));  // self: one key
-  s.cross = true, s.S = 9, s.Dkv = 5, s.pad_rate = 0.3;
-  expect_matches_reference(make_problem<TypeParam>(s, 2));
-  s.causal = true;  // top-left alignment: the single query sees key 0 only
-  expect_matches_reference(make_problem<TypeParam>(s, 3));
-  s.offset = s.S - 1;  // decoding one new token: sees every key
-  expect_matches_reference(make_problem<TypeParam>(s, 4));
-  s.layer_norm = true;
-  expect_matches_reference(make_problem<TypeParam>(s, 5));
-}
-
-TYPED_TEST(CollabHeadTest, CrossAttentionWithKeyWidthNotEmbedWidth) {
-  Shape s;
-  s.cross = true, s.T = 4, s.S = 9, s.D = 10, s.Dkv = 6;
-  expect_matches_reference(make_problem<TypeParam>(s, 6));
-  s.T = 9, s.S = 3;  // fewer keys than queries
-  expect_matches_reference(make_problem<TypeParam>(s, 7));
+  };
+  for_random_dense_shapes<Shape>(20240612, blocks, own, [](const Shape& s, unsigned seed) {
+    expect_matches_reference(make_problem<TypeParam>(s, seed));
+  });
 }
 
 // R/H = 10/3 is not an integer: the default scale is 1/sqrt(10/3), in double.
@@ -125,17 +86,6 @@ TYPED_TEST(CollabHeadTest, NoContentBiasNoValueBias) {
   expect_matches_reference(p);
   s.cross = true, s.S = 8, s.Dkv = 5, s.pad_rate = 0.3;
   expect_matches_reference(make_problem<TypeParam>(s, 13));
-}
-
-TYPED_TEST(CollabHeadTest, NoOutputProjectionGivesConcatenatedHeads) {
-  Shape s;
-  s.out_proj = false, s.H = 3, s.Dv = 5;  // output width H*Dv = 15 != D
-  const auto p = make_problem<TypeParam>(s, 14);
-  ASSERT_TRUE(p.w.o.empty());
-  EXPECT_EQ(p.layer().out_dim(), 15);
-  expect_matches_reference(p);
-  s.causal = true, s.pad_rate = 0.3;
-  expect_matches_reference(make_problem<TypeParam>(s, 15));
 }
 
 // LayerNorm(Xq + y): the residual is the query-side input, also in cross-attention.
@@ -181,84 +131,32 @@ TYPED_TEST(CollabHeadTest, BlockMixingUsesOnlyEachHeadsColumns) {
   expect_matches_reference(make_problem<TypeParam>(s, 24));
 }
 
-TYPED_TEST(CollabHeadTest, Causal) {
-  Shape s;
-  s.T = 9, s.D = 32, s.H = 4, s.R = 20, s.Dv = 8, s.out = 32, s.causal = true;
-  expect_matches_reference(make_problem<TypeParam>(s, 25));
-}
-
-// Offset 0 is top-left aligned (torch's triu(ones(T, S), 1)) also when S != T.
-TYPED_TEST(CollabHeadTest, CausalWithKeyCountNotQueryCount) {
-  Shape s;
-  s.cross = true, s.causal = true, s.Dkv = 6;
-  s.T = 5, s.S = 11;
-  expect_matches_reference(make_problem<TypeParam>(s, 26));
-  s.T = 11, s.S = 5, s.offset = 2;
-  expect_matches_reference(make_problem<TypeParam>(s, 27));
-}
-
-// A negative offset hides every key from the first rows: their context is
-// zero, so the output row is exactly o.bias and the weights exactly zero.
-TYPED_TEST(CollabHeadTest, CausalNegativeOffsetFullyMasksFirstRows) {
+// Masking under LayerNorm(Xq + y) (the typed masking tests in
+// test_masking.cpp run without it): a decoder-like offset, causal padded
+// cross-attention, rows that see nothing, and an item whose keys are all
+// padded without a content bias: finite, with weights exactly 0.
+TYPED_TEST(CollabHeadTest, MaskingWithLayerNorm) {
   using T = TypeParam;
-  Shape shape;
-  shape.T = 8, shape.causal = true, shape.offset = -3, shape.block_rows = 2;
-  const auto p = make_problem<T>(shape, 28);
-  const Shape& s = p.s;
+  Shape s;
+  s.layer_norm = true, s.cross = true, s.T = 1, s.S = 9, s.Dkv = 5, s.pad_rate = 0.3, s.causal = true;
+  s.offset = s.S - 1;
+  expect_matches_reference(make_problem<T>(s, 5));
+  s.T = 9, s.S = 12, s.Dkv = 8, s.pad_rate = 0.35, s.block_rows = 4, s.offset = 2;
+  expect_matches_reference(make_problem<T>(s, 34));
+  Shape none;  // offset -20: nothing visible anywhere
+  none.layer_norm = true, none.T = 8, none.causal = true, none.offset = -20, none.block_rows = 2;
+  expect_matches_reference(make_problem<T>(none, 30));
+  Shape item;
+  item.layer_norm = true, item.content_bias = false, item.B = 3, item.cross = true, item.T = 4, item.S = 6;
+  auto p = make_problem<T>(item, 37);
+  p.padding.assign(static_cast<std::size_t>(item.B) * item.S, 0);
+  std::fill(p.padding.begin() + item.S, p.padding.begin() + 2 * item.S, 1);  // item 1
+  p.padding[2 * item.S + 4] = 1;
   expect_matches_reference(p);
   const Result<T> got = run(p);
-  for (Index b = 0; b < s.B; ++b) {
-    expect_rows_output(got, b, 3, [&](Index c) { return p.w.o.bias(c); });
-    expect_rows_weights_zero(got, b, 3);
-  }
-  shape.offset = -20;  // nothing visible anywhere
-  expect_matches_reference(make_problem<T>(shape, 29));
-  shape.layer_norm = true;  // LayerNorm(Xq + o.bias) on those rows, still finite
-  expect_matches_reference(make_problem<T>(shape, 30));
-}
-
-TYPED_TEST(CollabHeadTest, KeyPadding) {
-  Shape s;
-  s.cross = true, s.T = 5, s.S = 11, s.D = 24, s.Dkv = 24, s.H = 3, s.R = 10, s.Dv = 8, s.out = 24;
-  auto p = make_problem<TypeParam>(s, 31);
-  p.padding = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1,   // trailing
-               0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0};  // scattered
-  expect_matches_reference(p);
-  s.cross = false, s.pad_rate = 0.4;
-  expect_matches_reference(make_problem<TypeParam>(s, 32));
-}
-
-TYPED_TEST(CollabHeadTest, CausalWithPadding) {
-  Shape s;
-  s.T = 9, s.causal = true, s.pad_rate = 0.35, s.block_rows = 4;
-  expect_matches_reference(make_problem<TypeParam>(s, 33));
-  s.cross = true, s.S = 12, s.offset = 2, s.layer_norm = true;
-  expect_matches_reference(make_problem<TypeParam>(s, 34));
-}
-
-// All keys of one batch item padded: its output rows are exactly o.bias
-// (zero without o), its weights exactly zero, and no NaN leaks anywhere.
-TYPED_TEST(CollabHeadTest, FullyMaskedRowGivesBiasAndZeroWeights) {
-  using T = TypeParam;
-  for (int variant = 0; variant < 3; ++variant) {
-    Shape s;
-    s.B = 3, s.cross = true, s.T = 4, s.S = 6;
-    s.out_proj = variant != 1;
-    s.content_bias = variant != 2;
-    s.layer_norm = variant == 2;
-    auto p = make_problem<T>(s, 35 + variant);
-    p.padding.assign(static_cast<std::size_t>(s.B) * s.S, 0);
-    std::fill(p.padding.begin() + s.S, p.padding.begin() + 2 * s.S, 1);  // item 1
-    p.padding[2 * s.S + 4] = 1;
-    SCOPED_TRACE("variant " + std::to_string(variant));
-    expect_matches_reference(p);
-
-    const Result<T> got = run(p);
-    ASSERT_TRUE(all_finite("output", got.out));
-    ASSERT_TRUE(all_finite("probs", got.probs));
-    if (!p.s.layer_norm) expect_rows_output(got, 1, s.T, [&](Index c) { return p.s.out_proj ? p.w.o.bias(c) : T(0); });
-    expect_rows_weights_zero(got, 1, s.T);
-  }
+  ASSERT_TRUE(all_finite("output", got.out));
+  ASSERT_TRUE(all_finite("probs", got.probs));
+  expect_rows_weights_zero(got, 1, item.T);
 }
 
 // As collab.md's large_logits case: the key input has a common component of
@@ -309,39 +207,6 @@ TYPED_TEST(CollabHeadTest, LargeLogitOffsetsDoNotOverflow) {
   const bool is_float = std::is_same_v<T, float>;
   EXPECT_TRUE(all_close("probs", got.probs, want.probs, is_float ? Tolerance{1e-2, 1e-6} : default_tolerance<T>()));
   EXPECT_TRUE(all_close("output", got.out, want.output, is_float ? Tolerance{1e-2, 2e-2} : default_tolerance<T>()));
-}
-
-// Query blocks are the pipeline's unit of work; edges must not leak.
-TYPED_TEST(CollabHeadTest, BlockRowsNotDividingT) {
-  Shape s;
-  s.T = 10, s.causal = true, s.offset = -1, s.pad_rate = 0.25;
-  for (Index block : {Index(3), Index(1), Index(4), Index(10), Index(100)}) {
-    s.block_rows = block;
-    expect_matches_reference(make_problem<TypeParam>(s, 41));
-  }
-  s.causal = false, s.cross = true, s.S = 7, s.block_rows = 3, s.mixing = Mixing::block;
-  expect_matches_reference(make_problem<TypeParam>(s, 42));
-}
-
-// Windows of 1, 3 and more than T over causal offsets, self and padded
-// cross (the test_util.hpp cases), dense and block mixing, a LayerNorm.
-TYPED_TEST(CollabHeadTest, SlidingWindowMatchesReference) {
-  for_each_window_case<Shape>(500, [](Shape s, unsigned seed) {
-    s.mixing = seed % 3 == 1 ? Mixing::block : Mixing::dense, s.layer_norm = seed % 4 == 3;
-    expect_matches_reference(make_problem<TypeParam>(s, seed));
-  });
-}
-
-// A window of at least T is plain causal, bit for bit; block_rows = 0
-// (automatic) gives the reference's result over more than one block.
-TYPED_TEST(CollabHeadTest, LongWindowIsPlainCausalAndAutomaticBlockRows) {
-  Shape s;
-  s.T = 9, s.causal = true, s.pad_rate = 0.2, s.block_rows = 4;
-  expect_long_window_is_plain_causal(make_problem<TypeParam>(s, 510), [](const auto& p) { return run(p); });
-  s.B = 1, s.T = 70, s.block_rows = 0, s.causal = false;
-  expect_matches_reference(make_problem<TypeParam>(s, 511));
-  s.causal = true, s.window = 5, s.threads = 2;
-  expect_matches_reference(make_problem<TypeParam>(s, 512));
 }
 
 // With block mixing at R = H·Dk the score stage costs what MHA's does: the
@@ -484,28 +349,19 @@ TEST_F(BadInput, LayerNormEps) {
   EXPECT_SHAPE_ERROR(build(), "layer_norm.eps", "expected a finite number >= 0", "got inf");
 }
 
-// set_options() checks like the constructor and leaves the layer as it was
-// when it throws.
+// set_options() checks the mixing rows like the constructor and keeps the
+// old options when it throws (the checks every layer shares, block_rows,
+// threads, num_heads >= 1 and a finite scale: test_layer_contract.cpp,
+// test_bad_input.cpp).
 TEST_F(BadInput, SetOptionsChecksAndKeepsTheOldOptions) {
   headmix::CollabHead<double> layer(w, opt);
-  headmix::Workspace<double> ws;
-  auto changed = [&](auto change) {
-    headmix::CollabHeadOptions o = opt;
-    change(o);
-    return o;
-  };
-  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.block_rows = -1; })), "block_rows", "expected >= 0",
-                     "got -1");
-  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.threads = 0; })), "threads", "expected >= 1", "got 0");
-  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.num_heads = 3; })), "mixing", "expected [3, 6]",
-                     "got [2, 6]");
-  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.num_heads = 0; })), "num_heads", "expected >= 1",
-                     "got 0");
-  EXPECT_SHAPE_ERROR(layer.set_options(changed([](auto& o) { o.scale = std::numeric_limits<double>::infinity(); })),
-                     "scale", "expected a finite number", "got inf");
-  EXPECT_EQ(layer.options().block_rows, opt.block_rows);
-  EXPECT_EQ(layer.options().threads, opt.threads);
+  headmix::CollabHeadOptions bad = opt;
+  bad.num_heads = 3;
+  bad.scale = 0.5;
+  EXPECT_SHAPE_ERROR(layer.set_options(bad), "mixing", "expected [3, 6]", "got [2, 6]");
+  EXPECT_EQ(layer.options().num_heads, opt.num_heads);
   EXPECT_FALSE(layer.options().scale.has_value());
+  headmix::Workspace<double> ws;
   EXPECT_NO_THROW(layer.forward(input(), out_view(), ws));
 }
 

@@ -76,6 +76,37 @@ headmix_ref::RefTensor3 reconstruct(const std::array<Matrix<double>, 3>& f) {
 // The two tensor representations against naive loops. Tolerance rtol 1e-12,
 // atol 1e-12 · max: sums of <= a few hundred O(1) products in double.
 
+// Every quantity a tensor representation `op` computes, held to the naive
+// loops on its dense form `ref`: the squared norm, the Gram matrix and the
+// MTTKRP of each mode, and the inner product and residual with the CP
+// factors f. Gram and MTTKRP tolerance: rtol 1e-12, atol `atol`.
+template <class Op>
+void expect_ops_match_naive(const Op& op, const headmix_ref::RefTensor3& ref, const std::array<Matrix<double>, 3>& f,
+                            double atol) {
+  const int R = static_cast<int>(f[0].cols());
+  double norm2 = 0;
+  for (double x : ref.data) norm2 += x * x;
+  EXPECT_NEAR(op.norm_squared(), norm2, 1e-12 * norm2);
+  std::array<Matrix<double>, 3> p;
+  for (int n = 0; n < 3; ++n) p[n] = op.project(n, f[n]);
+  for (int mode = 0; mode < 3; ++mode) {
+    SCOPED_TRACE("mode " + std::to_string(mode));
+    EXPECT_TRUE(all_close(widen(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, atol));
+    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : widen(f[0]),
+                                                    mode == 1 ? std::vector<double>{} : widen(f[1]),
+                                                    mode == 2 ? std::vector<double>{} : widen(f[2]), R, mode);
+    EXPECT_TRUE(all_close(widen(op.mttkrp(mode, p)), want, 1e-12, atol));
+  }
+  const auto approx = reconstruct(f);
+  double inner = 0, resid = 0;
+  for (std::size_t i = 0; i < ref.data.size(); ++i) {
+    inner += ref.data[i] * approx.data[i];
+    resid += (ref.data[i] - approx.data[i]) * (ref.data[i] - approx.data[i]);
+  }
+  EXPECT_NEAR(op.inner(p), inner, 1e-11 * std::abs(inner) + 1e-11);
+  EXPECT_NEAR(op.residual_squared(f), resid, 1e-11 * resid);
+}
+
 TEST(CpTensorOps, DenseTensorMatchesNaiveLoops) {
   Rng rng(1);
   const int I = 5, J = 4, K = 6, R = 3;
@@ -84,29 +115,8 @@ TEST(CpTensorOps, DenseTensorMatchesNaiveLoops) {
   const decomp::DenseTensor3<double> op(t);
   std::array<Matrix<double>, 3> f = {normal_matrix<double>(rng, I, R), normal_matrix<double>(rng, J, R),
                                      normal_matrix<double>(rng, K, R)};
-  double norm2 = 0;
-  for (double x : ref.data) norm2 += x * x;
-  EXPECT_NEAR(op.norm_squared(), norm2, 1e-12 * norm2);
-  for (int mode = 0; mode < 3; ++mode) {
-    SCOPED_TRACE("mode " + std::to_string(mode));
-    EXPECT_TRUE(all_close(widen(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, 1e-11));
-    std::array<Matrix<double>, 3> p;
-    for (int n = 0; n < 3; ++n) p[n] = op.project(n, f[n]);
-    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : widen(f[0]),
-                                                    mode == 1 ? std::vector<double>{} : widen(f[1]),
-                                                    mode == 2 ? std::vector<double>{} : widen(f[2]), R, mode);
-    EXPECT_TRUE(all_close(widen(op.mttkrp(mode, p)), want, 1e-12, 1e-11));
-  }
-  const auto approx = reconstruct(f);
-  double inner = 0, resid = 0;
-  for (std::size_t i = 0; i < ref.data.size(); ++i) {
-    inner += ref.data[i] * approx.data[i];
-    resid += (ref.data[i] - approx.data[i]) * (ref.data[i] - approx.data[i]);
-  }
-  std::array<Matrix<double>, 3> p = {op.project(0, f[0]), op.project(1, f[1]), op.project(2, f[2])};
-  EXPECT_NEAR(op.inner(p), inner, 1e-11 * std::abs(inner) + 1e-11);
-  EXPECT_NEAR(op.residual_squared(f), resid, 1e-11 * resid);
-  EXPECT_TRUE(all_close(to_ref(decomp::cp_reconstruct(f)).data, approx.data, 1e-12, 1e-12));
+  expect_ops_match_naive(op, ref, f, 1e-11);
+  EXPECT_TRUE(all_close(to_ref(decomp::cp_reconstruct(f)).data, reconstruct(f).data, 1e-12, 1e-12));
 }
 
 // SliceProductTensor never forms T; every quantity must still equal the
@@ -121,30 +131,9 @@ TEST(CpTensorOps, SliceProductTensorMatchesItsDenseForm) {
   EXPECT_EQ(op.dim(2), Dkv);
   EXPECT_EQ(op.slice_rank(), Dk);
   const auto ref = headmix_ref::mha_bilinear_tensor(widen(wq), widen(wk), H, Dk, D, Dkv);
-  double norm2 = 0;
-  for (double x : ref.data) norm2 += x * x;
-  EXPECT_NEAR(op.norm_squared(), norm2, 1e-12 * norm2);
-
   std::array<Matrix<double>, 3> f = {normal_matrix<double>(rng, D, R), normal_matrix<double>(rng, H, R),
                                      normal_matrix<double>(rng, Dkv, R)};
-  std::array<Matrix<double>, 3> p;
-  for (int n = 0; n < 3; ++n) p[n] = op.project(n, f[n]);
-  for (int mode = 0; mode < 3; ++mode) {
-    SCOPED_TRACE("mode " + std::to_string(mode));
-    EXPECT_TRUE(all_close(widen(op.gram(mode)), headmix_ref::unfolding_gram_reference(ref, mode), 1e-12, 1e-10));
-    const auto want = headmix_ref::mttkrp_reference(ref, mode == 0 ? std::vector<double>{} : widen(f[0]),
-                                                    mode == 1 ? std::vector<double>{} : widen(f[1]),
-                                                    mode == 2 ? std::vector<double>{} : widen(f[2]), R, mode);
-    EXPECT_TRUE(all_close(widen(op.mttkrp(mode, p)), want, 1e-12, 1e-10));
-  }
-  const auto approx = reconstruct(f);
-  double inner = 0, resid = 0;
-  for (std::size_t i = 0; i < ref.data.size(); ++i) {
-    inner += ref.data[i] * approx.data[i];
-    resid += (ref.data[i] - approx.data[i]) * (ref.data[i] - approx.data[i]);
-  }
-  EXPECT_NEAR(op.inner(p), inner, 1e-11 * std::abs(inner) + 1e-11);
-  EXPECT_NEAR(op.residual_squared(f), resid, 1e-11 * resid);
+  expect_ops_match_naive(op, ref, f, 1e-10);
 }
 
 // slice_svd(j) of both representations: slice j = left · diag(values) · rightᵀ

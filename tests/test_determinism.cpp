@@ -8,114 +8,32 @@
 //   * wherever the caller's buffers are (inputs, keys and outputs moved by
 //     every element offset within 64 bytes: a vectorised reduction that
 //     peels to an aligned address would change its order with them);
-//   * whatever the padded tokens hold (dense variants: a padded key has
-//     weight exactly 0, so it cannot reach another row). LSH is exempt:
+//   * whatever the padded tokens hold (a padded key has weight exactly 0,
+//     so it cannot reach another row). LSH is exempt (padding_isolated):
 //     where a padded token hashes changes which keys share a chunk;
 //   * for decoding steps, across thread counts and buffer addresses.
 // Across builds (instruction sets, compilers, BLAS) results differ in the
 // last bits; the reference and conformance tests bound that difference.
+//
+// Each variant's problem is its determinism_shape() in tests/variants.hpp:
+// two batch items, several row blocks and tasks, and a key sequence of
+// another width where the variant takes one. Item 1 is padded here (its
+// last quarter of keys and one in the middle), item 0 not. LSH runs with
+// its explicit rotations and with rotations drawn from the seed.
 
-#include "headmix/headmix.hpp"
-#include "test_util.hpp"
+#include "variants.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace headmix_test;
-
-constexpr Index kBatch = 2, kLength = 37, kWidth = 13, kKeyWidth = 7, kBlockRows = 8;
-constexpr Index kPaddedFrom = 29;  // item 1's positions >= this are padding
-
-// ---- one case per variant ------------------------------------------------------
-
-template <class T>
-struct MhaCase {
-  using Layer = headmix::Mha<T>;
-  static constexpr bool kCross = true;
-  static Layer make(Rng& rng, Index key_width) {
-    const Index H = 3;
-    headmix::MhaWeights<T> w{random_linear<T>(rng, H * 5, kWidth), random_linear<T>(rng, H * 5, key_width),
-                             random_linear<T>(rng, H * 3, key_width), random_linear<T>(rng, 11, H * 3)};
-    headmix::MhaOptions o;
-    o.num_heads = H, o.block_rows = kBlockRows;
-    return Layer(std::move(w), o);
-  }
-};
-
-template <class T>
-struct TalkingHeadsCase {
-  using Layer = headmix::TalkingHeads<T>;
-  static constexpr bool kCross = true;
-  static Layer make(Rng& rng, Index key_width) {
-    const Index hk = 2, h = 4, hv = 3;
-    headmix::TalkingHeadsWeights<T> w;
-    w.q = random_linear<T>(rng, hk * 5, kWidth), w.k = random_linear<T>(rng, hk * 5, key_width);
-    w.v = random_linear<T>(rng, hv * 3, key_width), w.o = random_linear<T>(rng, 9, hv * 3);
-    w.pre_softmax = random_matrix<T>(rng, h, hk, 1.0), w.post_softmax = random_matrix<T>(rng, hv, h, 1.0);
-    headmix::TalkingHeadsOptions o;
-    o.num_heads = h, o.key_heads = hk, o.value_heads = hv, o.block_rows = kBlockRows;
-    return Layer(std::move(w), o);
-  }
-};
-
-template <class T>
-struct CollabHeadCase {
-  using Layer = headmix::CollabHead<T>;
-  static constexpr bool kCross = true;
-  static Layer make(Rng& rng, Index key_width) {
-    const Index H = 3, R = 9;
-    headmix::CollabHeadWeights<T> w;
-    w.q = random_matrix<T>(rng, R, kWidth, 0.3), w.k = random_matrix<T>(rng, R, key_width, 0.4);
-    w.mixing = random_matrix<T>(rng, H, R, 1.0), w.content_bias = random_matrix<T>(rng, H, key_width, 0.4);
-    w.v = random_linear<T>(rng, H * 3, key_width), w.o = random_linear<T>(rng, kWidth, H * 3);
-    w.layer_norm.weight = random_matrix<T>(rng, kWidth, 1, 1.0), w.layer_norm.bias = random_matrix<T>(rng, kWidth, 1, 1.0);
-    headmix::CollabHeadOptions o;
-    o.num_heads = H, o.block_rows = kBlockRows;
-    return Layer(std::move(w), o);
-  }
-};
-
-template <class T>
-struct DcmhaCase {
-  using Layer = headmix::Dcmha<T>;
-  static constexpr bool kCross = false;
-  static Layer make(Rng& rng, Index) {
-    const Index H = 4, G = 2, M = 2, R = 2, K = 5;
-    headmix::DcmhaWeights<T> w;
-    w.q = random_linear<T>(rng, H * 3, kWidth), w.k = random_linear<T>(rng, H * 3, kWidth);
-    w.v = random_linear<T>(rng, H * 2, kWidth), w.o = random_linear<T>(rng, 7, H * 2);
-    w.dw1 = random_tensor<T>(rng, {kWidth, G, 4, K}, 0.6), w.qkw = random_tensor<T>(rng, {G, 4, K, 2 * R, M}, 0.45);
-    w.dd = random_tensor<T>(rng, {kWidth, G, 4 * M}, 0.6);
-    w.pre_w = random_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = random_tensor<T>(rng, {G, M, M}, 0.5);
-    headmix::DcmhaOptions o;
-    o.num_heads = H, o.groups = G, o.rank = R, o.static_w = true, o.block_rows = kBlockRows;
-    return Layer(std::move(w), o);
-  }
-};
-
-template <class T>
-struct LshCase {
-  using Layer = headmix::Lsh<T>;
-  static constexpr bool kCross = false;
-  static Layer make(Rng& rng, Index) {
-    const Index H = 2;
-    headmix::LshWeights<T> w;
-    w.qk = random_linear<T>(rng, H * 5, kWidth, false), w.v = random_linear<T>(rng, H * 3, kWidth, false);
-    w.o = random_linear<T>(rng, 8, H * 3);
-    headmix::LshOptions o;
-    o.num_heads = H, o.bucket_size = 4, o.n_hashes = 3, o.seed = 17;
-    return Layer(std::move(w), o);
-  }
-};
-
-// ---- calls on caller buffers at chosen addresses --------------------------------
+using namespace headmix_test::variants;
 
 // A caller's buffer of n values starting `offset` elements into its storage.
 template <class T>
@@ -128,210 +46,232 @@ struct Placed {
   }
 };
 
-// Everything a call produced, output then weights, as one tensor.
+// A [B, L, W] view's values as a [B*L, W] matrix.
 template <class T>
-Tensor<T> joined(const T* out, Index n, const Tensor<T>& probs) {
-  Tensor<T> t({n + probs.size()});
-  std::copy_n(out, n, t.data());
-  std::copy_n(probs.data(), probs.size(), t.data() + n);
-  return t;
+Matrix<T> rows_of(const headmix::ConstBatchView<T>& v) {
+  return Eigen::Map<const Matrix<T>>(v.data(), v.batch() * v.length(), v.width());
 }
 
-template <class Case>
-class Determinism : public ::testing::Test {
+// Variant V's determinism problem in scalar T, its inputs, and item 1's padding.
+template <class Variant, class Scalar>
+class DeterminismOf : public ::testing::Test {
  protected:
-  using T = typename Case::T_;
-  using Layer = typename Case::Layer;
+  using V = Variant;
+  using T = Scalar;
+  using Problem = typename V::template Problem<T>;
+  using Layer = typename V::template Layer<T>;
 
-  Determinism() : rng_(7), layer_(Case::make(rng_, Case::kCross ? kKeyWidth : kWidth)) {
-    query_ = random_matrix<T>(rng_, kBatch * kLength, kWidth, 1.0);
-    if (Case::kCross) key_ = random_matrix<T>(rng_, kBatch * (kLength + 3), kKeyWidth, 1.0);
-    padding_.assign(static_cast<std::size_t>(kBatch * keys()), 0);
-    for (Index s = kPaddedFrom; s < keys(); ++s) padding_[static_cast<std::size_t>(keys() + s)] = 1;
-    padding_[static_cast<std::size_t>(keys() + 4)] = 1;  // one in the middle too
+  DeterminismOf() : problems_(V::thread_variations(V::template make<T>(V::determinism_shape(), 7))) {
+    const auto in = problems_[0].input();
+    B_ = in.query.batch(), L_ = in.query.length(), S_ = in.keys().length();
+    query_ = rows_of(in.query);
+    if (!in.self_attention()) key_ = rows_of(in.key);
+  }
+  void SetUp() override {
+    ASSERT_GE(B_, 2) << "determinism_shape() needs an unpadded and a padded item";
+    ASSERT_GE(S_, 8);
+    padding_.assign(static_cast<std::size_t>(B_ * S_), 0);
+    for (Index s = S_ - S_ / 4; s < S_; ++s) padding_[static_cast<std::size_t>(S_ + s)] = 1;
+    padding_[static_cast<std::size_t>(S_ + 4)] = 1;
   }
 
-  Index keys() const { return Case::kCross ? kLength + 3 : kLength; }
+  bool cross() const { return key_.size() > 0; }
+  bool padded(Index b, Index s) const { return padding_[static_cast<std::size_t>(b * S_ + s)] != 0; }
 
   // Forward on copies of the inputs placed `offset` elements into their
   // buffers; output and weights joined.
   Tensor<T> forward(const Layer& layer, headmix::Workspace<T>& ws, Index offset, const Matrix<T>& query,
-                    const Matrix<T>* key, bool padded) const {
-    const Placed<T> q(query.data(), query.size(), offset);
-    const Placed<T> k(key ? key->data() : nullptr, key ? key->size() : 0, offset);
-    Placed<T> out(nullptr, kBatch * kLength * layer.out_dim(), offset);
+                    const Matrix<T>& key, bool with_padding = true) const {
+    const Placed<T> q(query.data(), query.size(), offset), k(key.data(), key.size(), offset);
+    const Index out_dim = layer.out_dim(), n = B_ * L_ * out_dim;
+    Placed<T> out(nullptr, n, offset);
     headmix::AttentionInput<T> in;
-    in.query = {q.data, kBatch, kLength, kWidth};
-    if (key) in.key = {k.data, kBatch, keys(), kKeyWidth};
-    if (padded) in.key_padding = {padding_.data(), kBatch, keys()};
+    in.query = {q.data, B_, L_, query.cols()};
+    if (cross()) in.key = {k.data, B_, S_, key.cols()};
+    if (with_padding) in.key_padding = {padding_.data(), B_, S_};
     Tensor<T> probs;
-    layer.forward(in, {out.data, kBatch, kLength, layer.out_dim()}, ws, &probs);
-    return joined<T>(out.data, kBatch * kLength * layer.out_dim(), probs);
+    layer.forward(in, {out.data, B_, L_, out_dim}, ws, &probs);
+    Tensor<T> all({n + probs.size()});
+    std::copy_n(out.data, n, all.data());
+    std::copy_n(probs.data(), probs.size(), all.data() + n);
+    return all;
   }
-  Tensor<T> forward(const Layer& layer, headmix::Workspace<T>& ws, Index offset = 0, bool padded = true) const {
-    return forward(layer, ws, offset, query_, Case::kCross ? &key_ : nullptr, padded);
-  }
-
-  Layer with_threads(int threads) const {
-    Layer layer = layer_;
-    auto o = layer.options();
-    o.threads = threads;
-    layer.set_options(o);
-    return layer;
+  Tensor<T> forward(const Layer& layer, headmix::Workspace<T>& ws, Index offset = 0) const {
+    return forward(layer, ws, offset, query_, key_);
   }
 
-  Rng rng_;
-  Layer layer_;
-  Matrix<T> query_, key_;
+  // Which problem a failure is in (LSH: explicit or seeded rotations).
+  std::string trace(const Problem& p) const {
+    return "variation " + std::to_string(&p - problems_.data()) + " of " + p.describe();
+  }
+
+  static Layer with_threads(Problem p, int threads) {
+    V::set_threads(p, threads);
+    return p.layer();
+  }
+
+  std::vector<Problem> problems_;  // one problem, as each way its layer can be built
+  Index B_ = 0, L_ = 0, S_ = 0;
+  Matrix<T> query_, key_;  // key_ empty for self-attention
   std::vector<std::uint8_t> padding_;
 };
-
-template <template <class> class C, class T>
-struct Bind : C<T> {
-  using T_ = T;
-};
-using DenseCases = ::testing::Types<Bind<MhaCase, float>, Bind<MhaCase, double>, Bind<TalkingHeadsCase, float>,
-                                    Bind<TalkingHeadsCase, double>, Bind<CollabHeadCase, float>,
-                                    Bind<CollabHeadCase, double>, Bind<DcmhaCase, float>, Bind<DcmhaCase, double>>;
-using Cases = ::testing::Types<Bind<MhaCase, float>, Bind<MhaCase, double>, Bind<TalkingHeadsCase, float>,
-                               Bind<TalkingHeadsCase, double>, Bind<CollabHeadCase, float>,
-                               Bind<CollabHeadCase, double>, Bind<DcmhaCase, float>, Bind<DcmhaCase, double>,
-                               Bind<LshCase, float>, Bind<LshCase, double>>;
-
-// Test names that say the variant and the scalar ("Mha_float").
-struct CaseName {
-  template <class Case>
-  static std::string GetName(int) {
-    return std::string(Case::Layer::kName) + (std::is_same_v<typename Case::T_, float> ? "_float" : "_double");
-  }
-};
-TYPED_TEST_SUITE(Determinism, Cases, CaseName);
-
-// The promises that only the dense, decoding variants make.
-template <class Case>
-class DenseDeterminism : public Determinism<Case> {};
-TYPED_TEST_SUITE(DenseDeterminism, DenseCases, CaseName);
+template <class Param>
+class Determinism : public DeterminismOf<typename Param::Variant, typename Param::Scalar> {};
+TYPED_TEST_SUITE(Determinism, AllVariantsInBothScalars, VariantInName);
 
 TYPED_TEST(Determinism, RepeatedCallsAndFreshWorkspaces) {
   using T = typename TestFixture::T;
-  headmix::Workspace<T> reused;
-  const Tensor<T> first = this->forward(this->layer_, reused);
-  EXPECT_TRUE(bit_identical("second call, same workspace", first, this->forward(this->layer_, reused)));
-  headmix::Workspace<T> fresh;
-  EXPECT_TRUE(bit_identical("fresh workspace", first, this->forward(this->layer_, fresh)));
-  // A workspace grown by a larger call first, then reused.
-  headmix::Workspace<T> grown;
-  const Matrix<T> other = random_matrix<T>(this->rng_, kBatch * kLength, kWidth, 1.0);
-  (void)this->forward(this->layer_, grown, 0, other, TypeParam::kCross ? &this->key_ : nullptr, false);
-  EXPECT_TRUE(bit_identical("workspace grown by another call", first, this->forward(this->layer_, grown)));
+  Rng rng(9);
+  const Matrix<T> other = random_matrix<T>(rng, this->query_.rows(), this->query_.cols(), 1.0);
+  for (const auto& p : this->problems_) {
+    SCOPED_TRACE(this->trace(p));
+    const auto layer = p.layer();
+    headmix::Workspace<T> reused;
+    const Tensor<T> first = this->forward(layer, reused);
+    EXPECT_TRUE(bit_identical("second call, same workspace", first, this->forward(layer, reused)));
+    headmix::Workspace<T> fresh;
+    EXPECT_TRUE(bit_identical("fresh workspace", first, this->forward(layer, fresh)));
+    // A workspace used by another call (other queries, no padding) first.
+    headmix::Workspace<T> used;
+    (void)this->forward(layer, used, 0, other, this->key_, false);
+    EXPECT_TRUE(bit_identical("workspace used by another call", first, this->forward(layer, used)));
+  }
 }
 
 TYPED_TEST(Determinism, AnyThreadCount) {
   using T = typename TestFixture::T;
-  headmix::Workspace<T> ws;
-  const Tensor<T> serial = this->forward(this->with_threads(1), ws);
-  for (int threads : {2, 3}) {
-    headmix::Workspace<T> ws_n;
-    EXPECT_TRUE(bit_identical(("threads=" + std::to_string(threads)).c_str(), serial,
-                              this->forward(this->with_threads(threads), ws_n)));
+  for (const auto& p : this->problems_) {
+    SCOPED_TRACE(this->trace(p));
+    headmix::Workspace<T> ws;
+    const Tensor<T> serial = this->forward(TestFixture::with_threads(p, 1), ws);
+    for (int threads : {2, 3}) {
+      headmix::Workspace<T> ws_n;
+      EXPECT_TRUE(bit_identical(("threads=" + std::to_string(threads)).c_str(), serial,
+                                this->forward(TestFixture::with_threads(p, threads), ws_n)));
+    }
   }
 }
 
 TYPED_TEST(Determinism, AnyBufferAddress) {
   using T = typename TestFixture::T;
-  headmix::Workspace<T> ws;
-  const Tensor<T> at_zero = this->forward(this->layer_, ws, 0);
-  for (Index offset = 1; offset < Index(64 / sizeof(T)); ++offset)
-    EXPECT_TRUE(bit_identical(("inputs and output " + std::to_string(offset) + " elements in").c_str(), at_zero,
-                              this->forward(this->layer_, ws, offset)));
+  for (const auto& p : this->problems_) {
+    SCOPED_TRACE(this->trace(p));
+    const auto layer = p.layer();
+    headmix::Workspace<T> ws;
+    const Tensor<T> at_zero = this->forward(layer, ws, 0);
+    for (Index offset = 1; offset < Index(64 / sizeof(T)); ++offset)
+      EXPECT_TRUE(bit_identical(("inputs and output " + std::to_string(offset) + " elements in").c_str(), at_zero,
+                                this->forward(layer, ws, offset)));
+  }
 }
 
-TYPED_TEST(DenseDeterminism, PaddedTokensReachNoOtherRow) {
-  using T = typename TestFixture::T;
-  using Case = TypeParam;
-  headmix::Workspace<T> ws;
-  const Tensor<T> clean = this->forward(this->layer_, ws);
-  // Scribble over every padded token, in the query rows and the key rows.
-  Matrix<T> query = this->query_, key = this->key_;
-  Matrix<T>& keys = Case::kCross ? key : query;
-  for (Index s = 0; s < this->keys(); ++s)
-    if (this->padding_[static_cast<std::size_t>(this->keys() + s)])
-      keys.row(this->keys() + s) = random_matrix<T>(this->rng_, 1, keys.cols(), 50.0);
-  const Tensor<T> scribbled = this->forward(this->layer_, ws, 0, query, Case::kCross ? &key : nullptr, true);
-  ASSERT_EQ(clean.shape(), scribbled.shape());
+TYPED_TEST(Determinism, PaddedTokensReachNoOtherRow) {
+  using F = TestFixture;
+  using T = typename F::T;
+  if constexpr (!F::V::padding_isolated) {
+    GTEST_SKIP() << "a padded token's values move the hashing";
+  } else {
+    const auto layer = this->problems_[0].layer();
+    headmix::Workspace<T> ws;
+    const Tensor<T> clean = this->forward(layer, ws);
+    // Scribble over every padded token: the key rows, or in self-attention the query rows.
+    Rng rng(10);
+    Matrix<T> query = this->query_, key = this->key_;
+    Matrix<T>& keys = this->cross() ? key : query;
+    const Index B = this->B_, L = this->L_, S = this->S_;
+    for (Index b = 0; b < B; ++b)
+      for (Index s = 0; s < S; ++s)
+        if (this->padded(b, s)) keys.row(b * S + s) = random_matrix<T>(rng, 1, keys.cols(), 50.0);
+    const Tensor<T> scribbled = this->forward(layer, ws, 0, query, key);
+    ASSERT_EQ(clean.shape(), scribbled.shape());
 
-  const Index out_dim = this->layer_.out_dim(), outputs = kBatch * kLength * out_dim;
-  const Index S = this->keys(), heads = (clean.size() - outputs) / (kBatch * kLength * S);
-  for (Index b = 0; b < kBatch; ++b)
-    for (Index t = 0; t < kLength; ++t) {
-      // In self-attention a padded position is also a query whose own row changes.
-      const bool own_row_scribbled = !Case::kCross && this->padding_[static_cast<std::size_t>(b * S + t)];
-      if (own_row_scribbled) continue;
-      const Index row = (b * kLength + t) * out_dim;
-      ASSERT_EQ(0, std::memcmp(&clean[row], &scribbled[row], sizeof(T) * static_cast<std::size_t>(out_dim)))
-          << "output row b=" << b << " t=" << t << " moved";
-    }
-  // Weights: exactly zero on every padded key, and unchanged elsewhere.
-  for (Index b = 0; b < kBatch; ++b)
-    for (Index h = 0; h < heads; ++h)
-      for (Index t = 0; t < kLength; ++t)
-        for (Index s = 0; s < S; ++s) {
-          const Index at = outputs + ((b * heads + h) * kLength + t) * S + s;
-          if (this->padding_[static_cast<std::size_t>(b * S + s)]) {
-            ASSERT_EQ(clean[at], T(0)) << "padded key has weight";
+    const Index out_dim = layer.out_dim(), outputs = B * L * out_dim;
+    const Index heads = (clean.size() - outputs) / (B * L * S);
+    ASSERT_GE(heads, 1);
+    // In self-attention a padded position is also a query whose own row changes.
+    const auto own_row_scribbled = [&](Index b, Index t) { return !this->cross() && this->padded(b, t); };
+    for (Index b = 0; b < B; ++b)
+      for (Index t = 0; t < L; ++t) {
+        if (own_row_scribbled(b, t)) continue;
+        const Index row = (b * L + t) * out_dim;
+        ASSERT_EQ(0, std::memcmp(&clean[row], &scribbled[row], sizeof(T) * static_cast<std::size_t>(out_dim)))
+            << "output row b=" << b << " t=" << t << " moved";
+      }
+    // Weights: exactly zero on every padded key, and unchanged elsewhere.
+    for (Index b = 0; b < B; ++b)
+      for (Index h = 0; h < heads; ++h)
+        for (Index t = 0; t < L; ++t)
+          for (Index s = 0; s < S; ++s) {
+            const Index at = outputs + ((b * heads + h) * L + t) * S + s;
+            if (this->padded(b, s)) {
+              ASSERT_EQ(clean[at], T(0)) << "padded key has weight";
+            }
+            if (own_row_scribbled(b, t)) continue;
+            ASSERT_EQ(0, std::memcmp(&clean[at], &scribbled[at], sizeof(T)))
+                << "weight b=" << b << " h=" << h << " t=" << t << " s=" << s << " moved";
           }
-          if (!Case::kCross && this->padding_[static_cast<std::size_t>(b * S + t)]) continue;
-          ASSERT_EQ(0, std::memcmp(&clean[at], &scribbled[at], sizeof(T))) << "weight b=" << b << " h=" << h
-                                                                           << " t=" << t << " s=" << s << " moved";
-        }
+  }
 }
 
-// Token-by-token decoding of item sequences, on the layer's self-attention
-// form; the outputs of every step concatenated.
-template <class T, class Layer>
-Tensor<T> decode(const Layer& layer, const Matrix<T>& x, Index offset, headmix::Workspace<T>& ws) {
-  headmix::SequenceCache<T> cache(kBatch, kLength);
-  Tensor<T> all({kBatch * kLength * layer.out_dim()});
-  for (Index t = 0; t < kLength; ++t) {
-    Matrix<T> token(kBatch, kWidth);
-    for (Index b = 0; b < kBatch; ++b) token.row(b) = x.row(b * kLength + t);
-    const Placed<T> in(token.data(), token.size(), offset);
-    Placed<T> out(nullptr, kBatch * layer.out_dim(), offset);
-    layer.step({in.data, kBatch, 1, kWidth}, cache, {out.data, kBatch, 1, layer.out_dim()}, ws);
-    std::copy_n(out.data, kBatch * layer.out_dim(), all.data() + t * kBatch * layer.out_dim());
+// Token-by-token decoding of p's queries (each batch item a sequence), the
+// token buffers `offset` elements into their storage; every step's
+// outputs concatenated.
+template <class T, class P, class Layer>
+Tensor<T> decode(const P& p, const Layer& layer, Index offset, headmix::Workspace<T>& ws) {
+  const auto in = p.input();
+  const Index B = in.query.batch(), L = in.query.length(), D = in.query.width(), out_dim = layer.out_dim();
+  const Matrix<T> x = rows_of(in.query);
+  headmix::SequenceCache<T> cache(B, L);
+  Tensor<T> all({B * L * out_dim});
+  for (Index t = 0; t < L; ++t) {
+    Matrix<T> token(B, D);
+    for (Index b = 0; b < B; ++b) token.row(b) = x.row(b * L + t);
+    const Placed<T> tok(token.data(), token.size(), offset);
+    Placed<T> out(nullptr, B * out_dim, offset);
+    layer.step({tok.data, B, 1, D}, cache, {out.data, B, 1, out_dim}, ws);
+    std::copy_n(out.data, B * out_dim, all.data() + t * B * out_dim);
   }
   return all;
 }
 
-TYPED_TEST(DenseDeterminism, DecodingSteps) {
-  using T = typename TestFixture::T;
-  using Case = TypeParam;
-  Rng rng(11);
-  auto layer = Case::make(rng, kWidth);  // self-attention form
-  headmix::Workspace<T> ws;
-  const Tensor<T> serial = decode<T>(layer, this->query_, 0, ws);
-  EXPECT_TRUE(bit_identical("decoding again, same workspace", serial, decode<T>(layer, this->query_, 0, ws)));
-  for (Index offset : {1, 3, 5}) {
-    headmix::Workspace<T> fresh;
-    EXPECT_TRUE(bit_identical(("token buffers " + std::to_string(offset) + " elements in").c_str(), serial,
-                              decode<T>(layer, this->query_, offset, fresh)));
+TYPED_TEST(Determinism, DecodingSteps) {
+  using F = TestFixture;
+  using V = typename F::V;
+  using T = typename F::T;
+  if constexpr (!V::decodes) {
+    GTEST_SKIP() << "no decoding steps";
+  } else {
+    const auto p = V::template make<T>(V::determinism_decoding_shape(), 11);
+    SCOPED_TRACE(p.describe());
+    ASSERT_TRUE(p.input().self_attention());
+    const auto layer = p.layer();
+    headmix::Workspace<T> ws;
+    const Tensor<T> serial = decode<T>(p, layer, 0, ws);
+    EXPECT_TRUE(bit_identical("decoding again, same workspace", serial, decode<T>(p, layer, 0, ws)));
+    for (Index offset : {1, 3, 5}) {
+      headmix::Workspace<T> fresh;
+      EXPECT_TRUE(bit_identical(("token buffers " + std::to_string(offset) + " elements in").c_str(), serial,
+                                decode<T>(p, layer, offset, fresh)));
+    }
+    headmix::Workspace<T> ws2;
+    EXPECT_TRUE(bit_identical("decoding on 2 threads", serial, decode<T>(p, F::with_threads(p, 2), 0, ws2)));
   }
-  auto o = layer.options();
-  o.threads = 2;
-  layer.set_options(o);
-  headmix::Workspace<T> ws2;
-  EXPECT_TRUE(bit_identical("decoding on 2 threads", serial, decode<T>(layer, this->query_, 0, ws2)));
 }
 
 TYPED_TEST(Determinism, SameSeedSameLayer) {
-  using T = typename TestFixture::T;
-  using Case = TypeParam;
-  // Two layers built alike (LSH: the same seed draws the same rotations).
-  Rng a(23), b(23);
-  const auto first = Case::make(a, Case::kCross ? kKeyWidth : kWidth);
-  const auto second = Case::make(b, Case::kCross ? kKeyWidth : kWidth);
-  headmix::Workspace<T> ws1, ws2;
-  EXPECT_TRUE(bit_identical("two layers built alike", this->forward(first, ws1), this->forward(second, ws2)));
+  using F = TestFixture;
+  using V = typename F::V;
+  using T = typename F::T;
+  // Two layers built alike (LSH's seeded variation: the same seed draws the same rotations).
+  const auto firsts = V::thread_variations(V::template make<T>(V::determinism_shape(), 23));
+  const auto seconds = V::thread_variations(V::template make<T>(V::determinism_shape(), 23));
+  ASSERT_EQ(firsts.size(), seconds.size());
+  for (std::size_t i = 0; i < firsts.size(); ++i) {
+    SCOPED_TRACE(firsts[i].describe());
+    headmix::Workspace<T> ws1, ws2;
+    EXPECT_TRUE(bit_identical("two layers built alike", this->forward(firsts[i].layer(), ws1),
+                              this->forward(seconds[i].layer(), ws2)));
+  }
 }
 
 // Tensor storage is aligned as Eigen aligns its matrices, so that the

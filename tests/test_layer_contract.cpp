@@ -56,6 +56,17 @@ class LayerContract : public ::testing::Test {
 
   static Problem make(const Shape& s, unsigned seed) { return V::template make<T>(s, seed); }
 
+  // fn(p, dims of p) for a problem p of each shape (seeds first_seed,
+  // first_seed + 1, ...), with p described in every failure fn reports.
+  template <class Fn>
+  static void for_each_problem(const std::vector<Shape>& shapes, unsigned first_seed, Fn fn) {
+    for (const Shape& shape : shapes) {
+      const Problem p = make(shape, first_seed++);
+      SCOPED_TRACE(V::describe(p));
+      fn(p, V::dims(p));
+    }
+  }
+
   static Outputs run(const Problem& p, headmix::Workspace<T>& ws, bool with_probs = true) {
     const Dims d = V::dims(p);
     Outputs r;
@@ -93,10 +104,7 @@ TYPED_TEST_SUITE(LayerContract, AllVariantsInBothScalars, VariantInName);
 TYPED_TEST(LayerContract, ThreadCountDoesNotChangeBits) {
   using F = TestFixture;
   using V = typename F::V;
-  unsigned seed = 33;
-  for (const auto& shape : V::thread_shapes()) {
-    const auto p = F::make(shape, seed++);
-    SCOPED_TRACE(V::describe(p));
+  F::for_each_problem(V::thread_shapes(), 33, [](const auto& p, const Dims&) {
     for (auto q : V::thread_variations(p)) {
       const auto one = F::run(q);
       for (int threads : {2, 3}) {
@@ -107,7 +115,7 @@ TYPED_TEST(LayerContract, ThreadCountDoesNotChangeBits) {
       }
     }
     F::expect_matches_reference(p, F::run(p));
-  }
+  });
 }
 
 // One Workspace through calls of growing, shrinking and differently shaped
@@ -160,47 +168,45 @@ TYPED_TEST(LayerContract, ProbsOutputResizedAndFullyWritten) {
   using F = TestFixture;
   using V = typename F::V;
   using T = typename F::T;
-  const auto p = F::make(V::probs_shape(), 51);
-  SCOPED_TRACE(V::describe(p));
-  const Dims d = V::dims(p);
-  const auto want = p.reference();
-  for (const std::vector<Index>& stale : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
-    Tensor<T> probs(stale);
-    std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
-    Tensor<T> out({d.B, d.T, d.out});
-    headmix::Workspace<T> ws;
-    p.layer().forward(p.input(), out.batch(), ws, &probs);
-    EXPECT_EQ(probs.shape(), (std::vector<Index>{d.B, d.probs_heads, d.T, d.S}));
-    EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
-    if (!V::probs_sum_to_one) continue;
-    for (Index row = 0; row < probs.size() / d.S; ++row) {
-      double sum = 0;
-      for (Index j = 0; j < d.S; ++j) sum += static_cast<double>(probs[row * d.S + j]);
-      // 1 where a key is visible; 0 for rows that see only masked keys.
-      if (sum != 0) {
-        EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
+  F::for_each_problem({V::probs_shape()}, 51, [](const auto& p, const Dims& d) {
+    const auto want = p.reference();
+    for (const std::vector<Index>& stale : {std::vector<Index>{1, 1, 1, 1000}, std::vector<Index>{3}}) {
+      Tensor<T> probs(stale);
+      std::fill(probs.data(), probs.data() + probs.size(), std::numeric_limits<T>::quiet_NaN());
+      Tensor<T> out({d.B, d.T, d.out});
+      headmix::Workspace<T> ws;
+      p.layer().forward(p.input(), out.batch(), ws, &probs);
+      EXPECT_EQ(probs.shape(), (std::vector<Index>{d.B, d.probs_heads, d.T, d.S}));
+      EXPECT_TRUE(all_close("probs", probs, want.probs, default_tolerance<T>()));
+      if (!V::probs_sum_to_one) continue;
+      for (Index row = 0; row < probs.size() / d.S; ++row) {
+        double sum = 0;
+        for (Index j = 0; j < d.S; ++j) sum += static_cast<double>(probs[row * d.S + j]);
+        // 1 where a key is visible; 0 for rows that see only masked keys.
+        if (sum != 0) {
+          EXPECT_NEAR(sum, 1.0, 1e-5) << "row " << row;
+        }
       }
     }
-  }
+  });
 }
 
 TYPED_TEST(LayerContract, AllocatingForwardMatchesBufferForward) {
   using F = TestFixture;
   using V = typename F::V;
   using T = typename F::T;
-  const auto p = F::make(V::allocating_shape(), 52);
-  SCOPED_TRACE(V::describe(p));
-  const Dims d = V::dims(p);
-  const auto expected = F::run(p);
-  const auto layer = p.layer();
-  headmix::Workspace<T> ws;
-  Tensor<T> probs;
-  const Tensor<T> out = layer.forward(p.input(), ws, &probs);
-  EXPECT_EQ(out.shape(), (std::vector<Index>{d.B, d.T, d.out}));
-  EXPECT_TRUE(F::same("output", out, expected.out));
-  EXPECT_TRUE(F::same("probs", probs, expected.probs));
-  EXPECT_TRUE(F::same("output without probs", layer.forward(p.input(), ws), expected.out));
-  EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
+  F::for_each_problem({V::allocating_shape()}, 52, [](const auto& p, const Dims& d) {
+    const auto expected = F::run(p);
+    const auto layer = p.layer();
+    headmix::Workspace<T> ws;
+    Tensor<T> probs;
+    const Tensor<T> out = layer.forward(p.input(), ws, &probs);
+    EXPECT_EQ(out.shape(), (std::vector<Index>{d.B, d.T, d.out}));
+    EXPECT_TRUE(F::same("output", out, expected.out));
+    EXPECT_TRUE(F::same("probs", probs, expected.probs));
+    EXPECT_TRUE(F::same("output without probs", layer.forward(p.input(), ws), expected.out));
+    EXPECT_TRUE(all_close("output", out, p.reference().output, default_tolerance<T>()));
+  });
 }
 
 // forward(Matrix) is self-attention over one [T, D] sequence.
@@ -208,17 +214,16 @@ TYPED_TEST(LayerContract, SingleSequenceForward) {
   using F = TestFixture;
   using V = typename F::V;
   using T = typename F::T;
-  const auto p = F::make(V::single_sequence_shape(), 53);
-  SCOPED_TRACE(V::describe(p));
-  const Dims d = V::dims(p);
-  ASSERT_EQ(d.B, 1);
-  const Matrix<T> y = p.layer().forward(V::query(p));
-  ASSERT_EQ(y.rows(), d.T);
-  ASSERT_EQ(y.cols(), d.out);
-  EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
-                        default_tolerance<T>()));
-  const auto batched = F::run(p);
-  for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], batched.out[i]) << i;
+  F::for_each_problem({V::single_sequence_shape()}, 53, [](const auto& p, const Dims& d) {
+    ASSERT_EQ(d.B, 1);
+    const Matrix<T> y = p.layer().forward(V::query(p));
+    ASSERT_EQ(y.rows(), d.T);
+    ASSERT_EQ(y.cols(), d.out);
+    EXPECT_TRUE(all_close("output", y.data(), static_cast<std::size_t>(y.size()), p.reference().output,
+                          default_tolerance<T>()));
+    const auto batched = F::run(p);
+    for (Index i = 0; i < y.size(); ++i) EXPECT_EQ(y.data()[i], batched.out[i]) << i;
+  });
 }
 
 // set_options() may change masking, block size, threads (and the variant's
@@ -252,12 +257,7 @@ TYPED_TEST(LayerContract, OptionsChangedBetweenCalls) {
 TYPED_TEST(LayerContract, FlopsEqualReferenceCount) {
   using F = TestFixture;
   using V = typename F::V;
-  unsigned seed = 60;
-  for (const auto& shape : V::flops_shapes()) {
-    const auto p = F::make(shape, seed++);
-    SCOPED_TRACE(V::describe(p));
-    V::expect_flops(p);
-  }
+  F::for_each_problem(V::flops_shapes(), 60, [](const auto& p, const Dims&) { V::expect_flops(p); });
 }
 
 // ---------------------------------------------------------------------------
@@ -276,11 +276,24 @@ class LayerBadInput : public ::testing::Test {
   headmix::ConstBatchView<double> query(Index B, Index T, Index D) const {
     return headmix::ConstBatchView<double>(V::query(p).data(), B, T, D);
   }
+  // p's input with its query viewed as [B, T, D].
+  headmix::AttentionInput<double> with_query(Index B, Index T, Index D) const {
+    auto in = p.input();
+    in.query = query(B, T, D);
+    return in;
+  }
   void build(const Options& o) const { typename V::template Layer<double> layer(p.w, o); }
   void build() const { build(p.options()); }
   void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
     headmix::Workspace<double> ws;
     p.layer().forward(in, dst, ws);
+  }
+  // build() with p's options changed by `edit` throws a shape_error naming `parts`.
+  template <class Edit, class... Parts>
+  void expect_option_error(Edit edit, const Parts&... parts) const {
+    Options o = p.options();
+    edit(o);
+    HEADMIX_EXPECT_SHAPE_ERROR_IN(V::tag, build(o), parts...);
   }
   // forward(in) throws a shape_error naming `what`, the shape it wants and the one it got.
   void expect_input_error(const headmix::AttentionInput<double>& in, const char* what,
@@ -302,24 +315,18 @@ TYPED_TEST(LayerBadInput, ValidSetupRuns) {  // so that each failure below is th
 }
 
 TYPED_TEST(LayerBadInput, ZeroHeads) {
-  auto o = this->p.options();
-  o.num_heads = 0;
-  EXPECT_SHAPE_ERROR(this->build(o), "num_heads", "expected >= 1", "got 0");
+  this->expect_option_error([](auto& o) { o.num_heads = 0; }, "num_heads", "expected >= 1", "got 0");
 }
 
 TYPED_TEST(LayerBadInput, ZeroThreads) {
-  auto o = this->p.options();
-  o.threads = 0;
-  EXPECT_SHAPE_ERROR(this->build(o), "threads", "expected >= 1", "got 0");
+  this->expect_option_error([](auto& o) { o.threads = 0; }, "threads", "expected >= 1", "got 0");
 }
 
 TYPED_TEST(LayerBadInput, NegativeBlockRows) {
   if constexpr (!TypeParam::has_block_rows) {
     GTEST_SKIP() << "no block_rows option";
   } else {
-    auto o = this->p.options();
-    o.block_rows = -1;
-    EXPECT_SHAPE_ERROR(this->build(o), "block_rows", "expected >= 0", "got -1");
+    this->expect_option_error([](auto& o) { o.block_rows = -1; }, "block_rows", "expected >= 0", "got -1");
   }
 }
 
@@ -327,11 +334,10 @@ TYPED_TEST(LayerBadInput, NonFiniteScale) {
   if constexpr (!TypeParam::finite_scale) {
     GTEST_SKIP() << "scale is checked by the variant's own tests";
   } else {
-    auto o = this->p.options();
-    o.scale = std::numeric_limits<double>::quiet_NaN();
-    EXPECT_SHAPE_ERROR(this->build(o), "scale", "expected a finite number", "got nan");
-    o.scale = std::numeric_limits<double>::infinity();
-    EXPECT_SHAPE_ERROR(this->build(o), "scale", "expected a finite number", "got inf");
+    this->expect_option_error([](auto& o) { o.scale = std::numeric_limits<double>::quiet_NaN(); }, "scale",
+                              "expected a finite number", "got nan");
+    this->expect_option_error([](auto& o) { o.scale = std::numeric_limits<double>::infinity(); }, "scale",
+                              "expected a finite number", "got inf");
   }
 }
 
@@ -339,11 +345,9 @@ TYPED_TEST(LayerBadInput, WindowNeedsCausalAndIsNotNegative) {
   if constexpr (!TypeParam::window) {
     GTEST_SKIP() << "no window option";
   } else {
-    auto o = this->p.options();
-    o.causal = false, o.window = 2;
-    EXPECT_SHAPE_ERROR(this->build(o), "window", "a window needs causal = true", "got 2");
-    o.causal = true, o.window = -1;
-    EXPECT_SHAPE_ERROR(this->build(o), "window", "expected >= 0", "got -1");
+    this->expect_option_error([](auto& o) { o.causal = false, o.window = 2; }, "window",
+                              "a window needs causal = true", "got 2");
+    this->expect_option_error([](auto& o) { o.causal = true, o.window = -1; }, "window", "expected >= 0", "got -1");
   }
 }
 
@@ -391,15 +395,12 @@ TYPED_TEST(LayerBadInput, SetOptionsValidatesAndKeepsTheOldOptions) {
 
 TYPED_TEST(LayerBadInput, QueryWidth) {
   const Dims d = this->d;
-  auto in = this->p.input();
-  in.query = this->query(d.B, d.T, d.D - 1);
-  this->expect_input_error(in, "input.query", {d.B, d.T, d.D}, {d.B, d.T, d.D - 1});
+  this->expect_input_error(this->with_query(d.B, d.T, d.D - 1), "input.query", {d.B, d.T, d.D}, {d.B, d.T, d.D - 1});
 }
 
 TYPED_TEST(LayerBadInput, ZeroLengthQuery) {
   const Dims d = this->d;
-  auto in = this->p.input();
-  in.query = this->query(d.B, 0, d.D);
+  auto in = this->with_query(d.B, 0, d.D);
   in.key_padding = {};  // of self-attention it would follow the query
   EXPECT_SHAPE_ERROR(this->forward(in, headmix::BatchView<double>(this->out.data(), d.B, 0, d.out)), "input.query",
                      "T >= 1", "got " + shape_text({d.B, 0, d.D}));
@@ -407,8 +408,7 @@ TYPED_TEST(LayerBadInput, ZeroLengthQuery) {
 
 TYPED_TEST(LayerBadInput, ZeroBatch) {
   const Dims d = this->d;
-  auto in = this->p.input();
-  in.query = this->query(0, d.T, d.D);
+  const auto in = this->with_query(0, d.T, d.D);
   EXPECT_SHAPE_ERROR(this->forward(in, headmix::BatchView<double>(this->out.data(), 0, d.T, d.out)), "input.query",
                      "B >= 1", "got " + shape_text({0, d.T, d.D}));
 }
@@ -450,8 +450,11 @@ TYPED_TEST(LayerBadInput, KeyGivenToSelfAttention) {
 template <class V>
 class CrossKeyBadInput : public LayerBadInput<V> {
  protected:
-  headmix::ConstBatchView<double> key(Index B, Index S, Index Dkv) const {
-    return headmix::ConstBatchView<double>(this->p.xk.data(), B, S, Dkv);
+  // p's input with its key sequence viewed as [B, S, Dkv].
+  headmix::AttentionInput<double> with_key(Index B, Index S, Index Dkv) const {
+    auto in = this->p.input();
+    in.key = headmix::ConstBatchView<double>(this->p.xk.data(), B, S, Dkv);
+    return in;
   }
 };
 using CrossKeyVariants = ::testing::Types<Mha, TalkingHeads, CollabHead>;
@@ -465,22 +468,17 @@ TYPED_TEST(CrossKeyBadInput, SetupIsCrossAttention) {
 
 TYPED_TEST(CrossKeyBadInput, KeyWidth) {
   const Dims d = this->d;
-  auto in = this->p.input();
-  in.key = this->key(d.B, d.S, d.Dkv - 1);
-  this->expect_input_error(in, "input.key", {d.B, d.S, d.Dkv}, {d.B, d.S, d.Dkv - 1});
+  this->expect_input_error(this->with_key(d.B, d.S, d.Dkv - 1), "input.key", {d.B, d.S, d.Dkv}, {d.B, d.S, d.Dkv - 1});
 }
 
 TYPED_TEST(CrossKeyBadInput, KeyBatchNotQueryBatch) {
   const Dims d = this->d;
-  auto in = this->p.input();
-  in.key = this->key(1, d.S, d.Dkv);
-  this->expect_input_error(in, "input.key", {d.B, d.S, d.Dkv}, {1, d.S, d.Dkv});
+  this->expect_input_error(this->with_key(1, d.S, d.Dkv), "input.key", {d.B, d.S, d.Dkv}, {1, d.S, d.Dkv});
 }
 
 TYPED_TEST(CrossKeyBadInput, ZeroLengthKey) {
   const Dims d = this->d;
-  auto in = this->p.input();
-  in.key = this->key(d.B, 0, d.Dkv);
+  auto in = this->with_key(d.B, 0, d.Dkv);
   in.key_padding = {};
   EXPECT_SHAPE_ERROR(this->forward(in, this->out_view()), "input.key",
                      "expected [" + std::to_string(d.B) + ", S >= 1, " + std::to_string(d.Dkv) + "]",

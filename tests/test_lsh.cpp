@@ -32,10 +32,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -490,6 +492,16 @@ class BadInput : public ::testing::Test {
   }
   headmix::BatchView<double> out_view() { return headmix::BatchView<double>(out.data(), B, T, Out); }
   void build() const { headmix::Lsh<double> layer(w, opt); }
+  // build() rejects each of the values `bad` of the option `field`, naming
+  // the option, what it wants and the value.
+  template <class V>
+  void expect_option_rejected(V headmix::LshOptions::*field, std::initializer_list<std::common_type_t<V>> bad,
+                              const char* name, const char* want) {
+    for (const V v : bad) {
+      opt.*field = v;
+      EXPECT_SHAPE_ERROR(build(), name, want, "got " + std::to_string(v));
+    }
+  }
   void forward(const headmix::AttentionInput<double>& in, headmix::BatchView<double> dst) const {
     headmix::Lsh<double> layer(w, opt);
     headmix::Workspace<double> ws;
@@ -510,8 +522,7 @@ TEST_F(BadInput, ValidSetupRuns) {  // so that each failure below is the one bro
 }
 
 TEST_F(BadInput, ZeroHeads) {
-  opt.num_heads = 0;
-  EXPECT_SHAPE_ERROR(build(), "num_heads", "expected >= 1", "got 0");
+  expect_option_rejected(&headmix::LshOptions::num_heads, {0}, "num_heads", "expected >= 1");
 }
 
 TEST_F(BadInput, QueryKeyRowsNotDivisibleByHeads) {
@@ -559,34 +570,25 @@ TEST_F(BadInput, OutputBiasWithoutOutputWeight) {
 }
 
 TEST_F(BadInput, BucketSizeNotPositive) {
-  for (Index bad : {Index(0), Index(-4)}) {
-    opt.bucket_size = bad;
-    EXPECT_SHAPE_ERROR(build(), "bucket_size", "expected >= 1", "got " + std::to_string(bad));
-  }
+  expect_option_rejected(&headmix::LshOptions::bucket_size, {0, -4}, "bucket_size", "expected >= 1");
 }
 
 TEST_F(BadInput, ZeroHashRounds) {
-  opt.n_hashes = 0;
-  EXPECT_SHAPE_ERROR(build(), "n_hashes", "expected >= 1", "got 0");
+  expect_option_rejected(&headmix::LshOptions::n_hashes, {0}, "n_hashes", "expected >= 1");
 }
 
 TEST_F(BadInput, OddBucketCount) {
   w.rotations = Tensor<double>();
-  opt.n_buckets = 5;
-  EXPECT_SHAPE_ERROR(build(), "n_buckets", "an even number >= 2", "got 5");
+  expect_option_rejected(&headmix::LshOptions::n_buckets, {5}, "n_buckets", "an even number >= 2");
 }
 
 TEST_F(BadInput, BucketCountTooSmall) {
   w.rotations = Tensor<double>();
-  for (Index bad : {Index(-2), Index(1)}) {
-    opt.n_buckets = bad;
-    EXPECT_SHAPE_ERROR(build(), "n_buckets", "an even number >= 2", "got " + std::to_string(bad));
-  }
+  expect_option_rejected(&headmix::LshOptions::n_buckets, {-2, 1}, "n_buckets", "an even number >= 2");
 }
 
 TEST_F(BadInput, ZeroThreads) {
-  opt.threads = 0;
-  EXPECT_SHAPE_ERROR(build(), "threads", "expected >= 1", "got 0");
+  expect_option_rejected(&headmix::LshOptions::threads, {0}, "threads", "expected >= 1");
 }
 
 TEST_F(BadInput, RotationsWrongRank) {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -83,6 +84,21 @@ std::uint16_t encode_one(double value, DType dtype) {
 }
 
 double decode_one(std::uint16_t bits, DType dtype) { return stored_bits16(dtype, {bits}).as<double>()[0]; }
+
+// A 16-bit pattern and the value it stands for.
+struct KnownBits {
+  std::uint16_t bits;
+  double value;
+};
+
+// Each pattern decodes to exactly its value, and the value encodes back to it.
+void expect_known_bits(DType dtype, std::initializer_list<KnownBits> cases) {
+  for (const KnownBits& c : cases) {
+    SCOPED_TRACE(c.bits);
+    EXPECT_EQ(decode_one(c.bits, dtype), c.value);
+    EXPECT_EQ(encode_one(c.value, dtype), c.bits);
+  }
+}
 
 // ---- dtypes and round trips --------------------------------------------------
 
@@ -206,26 +222,18 @@ TEST(Safetensors, SerializedLayout) {
 // ---- F16 / BF16 bit patterns -------------------------------------------------
 
 TEST(Safetensors, F16KnownBitPatterns) {
-  const struct {
-    std::uint16_t bits;
-    double value;
-  } cases[] = {
+  expect_known_bits(DType::F16, {
       {0x3C00, 1.0},
       {0xC100, -2.5},
       {0x7BFF, 65504.0},
-      {0x0001, std::ldexp(1.0, -24)},           // smallest subnormal
-      {0x03FF, std::ldexp(1023.0, -24)},        // largest subnormal
-      {0x0400, std::ldexp(1.0, -14)},           // smallest normal
-      {0x3555, std::ldexp(1365.0, -12)},        // 0.333251953125
+      {0x0001, std::ldexp(1.0, -24)},     // smallest subnormal
+      {0x03FF, std::ldexp(1023.0, -24)},  // largest subnormal
+      {0x0400, std::ldexp(1.0, -14)},     // smallest normal
+      {0x3555, std::ldexp(1365.0, -12)},  // 0.333251953125
       {0x7C00, std::numeric_limits<double>::infinity()},
       {0xFC00, -std::numeric_limits<double>::infinity()},
       {0x0000, 0.0},
-  };
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.bits);
-    EXPECT_EQ(decode_one(c.bits, DType::F16), c.value);
-    EXPECT_EQ(encode_one(c.value, DType::F16), c.bits);
-  }
+  });
   EXPECT_TRUE(std::signbit(decode_one(0x8000, DType::F16)));
   EXPECT_EQ(encode_one(-0.0, DType::F16), 0x8000);
   EXPECT_TRUE(std::isnan(decode_one(0x7E00, DType::F16)));
@@ -296,10 +304,7 @@ TEST(Safetensors, WideIntegersAndLongDoublesRoundOnce) {
 }
 
 TEST(Safetensors, BF16KnownBitPatterns) {
-  const struct {
-    std::uint16_t bits;
-    double value;
-  } cases[] = {
+  expect_known_bits(DType::BF16, {
       {0x4049, 3.140625},
       {0x3F80, 1.0},
       {0xC020, -2.5},
@@ -308,12 +313,7 @@ TEST(Safetensors, BF16KnownBitPatterns) {
       {0x0080, std::ldexp(1.0, -126)},   // smallest normal
       {0x7F80, std::numeric_limits<double>::infinity()},
       {0xFF80, -std::numeric_limits<double>::infinity()},
-  };
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.bits);
-    EXPECT_EQ(decode_one(c.bits, DType::BF16), c.value);
-    EXPECT_EQ(encode_one(c.value, DType::BF16), c.bits);
-  }
+  });
   EXPECT_TRUE(std::isnan(decode_one(0x7FC0, DType::BF16)));
   EXPECT_EQ(encode_one(-std::nan(""), DType::BF16), 0xFFC0);
   EXPECT_EQ(encode_one(3.14159265358979, DType::BF16), 0x4049);

@@ -9,24 +9,25 @@
 // Every caller thread runs every call of a variant several times, in an
 // order of its own, reusing its one Workspace across the calls (so buffers
 // grow and are reused under contention), and compares each result with the
-// serial one. Calls differ in batch, length and padding, and include the
-// decoding paths (Mha::step, Dcmha::step, each thread with its own cache),
-// LSH's buckets() and seeded rotations, and the attention weights output.
+// serial one. A variant's thread_safety_shapes() (tests/variants.hpp) are
+// its setups; each setup's layer (and, for LSH, its seeded twin) serves
+// calls that differ in batch, length and padding, with and without the
+// attention weights, plus buckets() where the variant has it and decoding
+// steps (each thread with its own cache) for the self-attention setups of
+// the variants that decode.
 //
 // Run under ThreadSanitizer with `cmake --workflow --preset tsan` (that
 // preset's ctest runs only the tests whose names contain "ThreadSafety").
 
-#include "headmix/headmix.hpp"
-#include "test_util.hpp"
+#include "variants.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -35,70 +36,15 @@
 namespace {
 
 using namespace headmix_test;
+using namespace headmix_test::variants;
 
 constexpr int kCallers = 4;  // concurrent caller threads
 constexpr int kRounds = 3;   // times each caller runs every call
-
-// The inputs of one call: queries [B, T, D], optional keys [B, S, Dkv],
-// optional padding [B, S].
-template <class T>
-struct Input {
-  Index B, L, S;  // batch, query length, key length
-  Matrix<T> xq, xk;
-  std::vector<std::uint8_t> padding;
-
-  headmix::AttentionInput<T> view() const {
-    headmix::AttentionInput<T> in;
-    in.query = {xq.data(), B, L, xq.cols()};
-    if (xk.size()) in.key = {xk.data(), B, S, xk.cols()};
-    if (!padding.empty()) in.key_padding = {padding.data(), B, S};
-    return in;
-  }
-};
-
-// Three calls' inputs of different sizes (so that a reused workspace grows
-// and shrinks), the middle one padded.
-template <class T>
-std::vector<Input<T>> inputs(Rng& rng, Index D, Index Dkv, bool cross, std::vector<Index> lengths) {
-  const Index batches[] = {2, 3, 1};
-  std::vector<Input<T>> all;
-  for (std::size_t i = 0; i < lengths.size(); ++i) {
-    Input<T> in;
-    in.B = batches[i % 3], in.L = lengths[i], in.S = cross ? lengths[i] + 3 : lengths[i];
-    in.xq = random_matrix<T>(rng, in.B * in.L, D, 1.0);
-    if (cross) in.xk = random_matrix<T>(rng, in.B * in.S, Dkv, 1.0);
-    if (i == 1) {
-      in.padding.assign(static_cast<std::size_t>(in.B * in.S), 0);
-      for (std::size_t k = 0; k < in.padding.size(); k += 3) in.padding[k] = 1;
-    }
-    all.push_back(std::move(in));
-  }
-  return all;
-}
 
 // A call on a layer with a given workspace; returns everything it produced
 // (output, and weights or buckets where the call has them) as one tensor.
 template <class T>
 using Call = std::function<Tensor<T>(headmix::Workspace<T>&)>;
-
-// Output and weights of a forward, flattened into one tensor.
-template <class T>
-Tensor<T> joined(const Tensor<T>& a, const Tensor<T>& b) {
-  Tensor<T> t({a.size() + b.size()});
-  std::copy_n(a.data(), a.size(), t.data());
-  std::copy_n(b.data(), b.size(), t.data() + a.size());
-  return t;
-}
-
-// A call of layer.forward on `in`: its output and weights, joined.
-template <class T, class Layer>
-Call<T> forward_with_probs(const Layer& layer, const Input<T>& in) {
-  return [&layer, &in](headmix::Workspace<T>& ws) {
-    Tensor<T> probs;
-    const Tensor<T> y = layer.forward(in.view(), ws, &probs);
-    return joined(y, probs);
-  };
-}
 
 bool same_bits(const void* a, const void* b, std::size_t bytes) { return bytes == 0 || std::memcmp(a, b, bytes) == 0; }
 
@@ -162,19 +108,33 @@ void expect_concurrent_equals_serial(const std::string& name, const std::vector<
   }
 }
 
-// Decoding: positions [0, T) of `in` fed to `step(x, out)` in chunks of 1,
-// 2, 3, ... positions; the outputs concatenated in order.
-template <class T, class Step>
-Tensor<T> decode_all(const Input<T>& in, Index out_dim, Step&& step) {
-  const Index B = in.B, T_ = in.L, D = in.xq.cols();
-  Tensor<T> all({B * T_ * out_dim});
+// Output and, when given, weights of a forward, as one tensor.
+template <class T, class Layer>
+Tensor<T> forward(const Layer& layer, const headmix::AttentionInput<T>& in, bool with_probs,
+                  headmix::Workspace<T>& ws) {
+  Tensor<T> probs;
+  const Tensor<T> y = layer.forward(in, ws, with_probs ? &probs : nullptr);
+  Tensor<T> t({y.size() + probs.size()});
+  std::copy_n(y.data(), y.size(), t.data());
+  std::copy_n(probs.data(), probs.size(), t.data() + y.size());
+  return t;
+}
+
+// Decoding: the queries of `in` fed to layer.step in chunks of 1, 2, 3, ...
+// positions, on a cache of the caller's; the outputs concatenated in order.
+template <class T, class Layer>
+Tensor<T> decode_all(const Layer& layer, const headmix::AttentionInput<T>& in, headmix::Workspace<T>& ws) {
+  const Index B = in.query.batch(), L = in.query.length(), D = in.query.width(), out_dim = layer.out_dim();
+  const auto x = Eigen::Map<const Matrix<T>>(in.query.data(), B * L, D);
+  headmix::SequenceCache<T> cache(B, L);
+  Tensor<T> all({B * L * out_dim});
   Index t0 = 0, pos = 0;
-  for (Index n = 1; t0 < T_; ++n) {
-    n = std::min(n, T_ - t0);
-    Matrix<T> x(B * n, D);
-    for (Index b = 0; b < B; ++b) x.middleRows(b * n, n) = in.xq.middleRows(b * T_ + t0, n);
+  for (Index n = 1; t0 < L; ++n) {
+    n = std::min(n, L - t0);
+    Matrix<T> chunk(B * n, D);
+    for (Index b = 0; b < B; ++b) chunk.middleRows(b * n, n) = x.middleRows(b * L + t0, n);
     Tensor<T> y({B, n, out_dim});
-    step(x, n, y);
+    layer.step({chunk.data(), B, n, D}, cache, y.batch(), ws);
     std::copy_n(y.data(), y.size(), all.data() + pos);
     pos += y.size();
     t0 += n;
@@ -182,139 +142,62 @@ Tensor<T> decode_all(const Input<T>& in, Index out_dim, Step&& step) {
   return all;
 }
 
-// Three cross-attention calls of different lengths through one layer, run
-// concurrently and serially.
-template <class T, class Layer>
-void expect_cross_calls_thread_safe(const Layer& layer, Rng& rng, Index D, Index Dkv, const std::string& what) {
-  const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
-  std::vector<Call<T>> calls;
-  for (const auto& in : xs) calls.push_back(forward_with_probs<T>(layer, in));
-  expect_concurrent_equals_serial<T>(what, calls);
-}
+// Every setup of variant V, on 1 and 2 threads of its own.
+template <class V, class T>
+void expect_shared_layers_give_serial_results() {
+  using Problem = typename V::template Problem<T>;
+  using Layer = typename V::template Layer<T>;
+  bool decoded = false;
+  unsigned seed = 1;
+  for (const auto& setup : V::thread_safety_shapes())
+    for (int threads : {1, 2}) {
+      // Three calls of different sizes, so that a reused workspace grows
+      // and shrinks; the middle one padded. Only their inputs are used.
+      const std::vector<Problem> problems{V::template make<T>(setup, seed),
+                                          V::template make<T>(V::thread_safety_resized(setup, 3, 20, 0.3), seed + 1),
+                                          V::template make<T>(V::thread_safety_resized(setup, 1, 53, 0), seed + 2)};
+      seed += 3;
+      std::vector<headmix::AttentionInput<T>> inputs;
+      for (const auto& p : problems) inputs.push_back(p.input());
+      ASSERT_FALSE(inputs[1].key_padding.empty()) << "the middle call is padded";
+      std::vector<Layer> layers;  // the setup's layer (and LSH's seeded twin), shared by every call
+      for (auto q : V::thread_variations(problems[0])) {
+        V::set_threads(q, threads);
+        layers.push_back(q.layer());
+      }
 
-HEADMIX_TYPED_OVER_SCALARS(ThreadSafety);
-
-TYPED_TEST(ThreadSafety, Mha) {
-  using T = TypeParam;
-  for (int threads : {1, 2}) {
-    Rng rng(1);
-    const Index D = 12, Dkv = 7, H = 3;
-    const headmix::MhaWeights<T> w{random_linear<T>(rng, H * 4, D), random_linear<T>(rng, H * 4, Dkv),
-                                   random_linear<T>(rng, H * 3, Dkv), random_linear<T>(rng, 10, H * 3)};
-    headmix::MhaOptions o;
-    o.num_heads = H, o.causal = true, o.causal_offset = 2, o.block_rows = 8, o.threads = threads;
-    const headmix::Mha<T> cross(w, o);
-    const headmix::MhaWeights<T> w_self{random_linear<T>(rng, H * 4, D), random_linear<T>(rng, H * 4, D),
-                                        random_linear<T>(rng, H * 3, D), random_linear<T>(rng, 10, H * 3)};
-    const headmix::Mha<T> self(w_self, o);
-    const auto xs = inputs<T>(rng, D, Dkv, true, {37, 20, 53});
-    const auto selfs = inputs<T>(rng, D, D, false, {30, 11});
-    std::vector<Call<T>> calls;
-    for (const auto& in : xs)
-      calls.push_back(forward_with_probs<T>(cross, in));
-    for (const auto& in : selfs)
-      calls.push_back([&](headmix::Workspace<T>& w_) {
-        headmix::SequenceCache<T> cache(in.B, in.L);
-        return decode_all(in, 10, [&](const Matrix<T>& x, Index n, Tensor<T>& y) {
-          self.step({x.data(), in.B, n, D}, cache, y.batch(), w_);
-        });
-      });
-    expect_concurrent_equals_serial<T>("mha threads=" + std::to_string(threads), calls);
-  }
-}
-
-TYPED_TEST(ThreadSafety, TalkingHeads) {
-  using T = TypeParam;
-  for (int threads : {1, 2}) {
-    Rng rng(2);
-    const Index D = 10, Dkv = 6, hk = 2, h = 4, hv = 3;
-    headmix::TalkingHeadsWeights<T> w;
-    w.q = random_linear<T>(rng, hk * 4, D), w.k = random_linear<T>(rng, hk * 4, Dkv), w.v = random_linear<T>(rng, hv * 3, Dkv);
-    w.o = random_linear<T>(rng, 9, hv * 3);
-    w.pre_softmax = random_matrix<T>(rng, h, hk, 1.0), w.post_softmax = random_matrix<T>(rng, hv, h, 1.0);
-    headmix::TalkingHeadsOptions o;
-    o.num_heads = h, o.key_heads = hk, o.value_heads = hv, o.causal = true, o.block_rows = 8, o.threads = threads;
-    const headmix::TalkingHeads<T> layer(w, o);
-    expect_cross_calls_thread_safe<T>(layer, rng, D, Dkv, "talking_heads threads=" + std::to_string(threads));
-  }
-}
-
-TYPED_TEST(ThreadSafety, CollabHead) {
-  using T = TypeParam;
-  for (int threads : {1, 2}) {
-    Rng rng(3);
-    const Index D = 10, Dkv = 6, H = 3, R = 9;
-    headmix::CollabHeadWeights<T> w;
-    w.q = random_matrix<T>(rng, R, D, 0.3), w.k = random_matrix<T>(rng, R, Dkv, 0.4), w.mixing = random_matrix<T>(rng, H, R, 1.0);
-    w.mixing(1, 0) = w.mixing(1, 8) = T(0);  // a head with a narrower span
-    w.content_bias = random_matrix<T>(rng, H, Dkv, 0.4);
-    w.v = random_linear<T>(rng, H * 2, Dkv), w.o = random_linear<T>(rng, D, H * 2);
-    w.layer_norm.weight = random_matrix<T>(rng, D, 1, 1.0), w.layer_norm.bias = random_matrix<T>(rng, D, 1, 1.0);
-    headmix::CollabHeadOptions o;
-    o.num_heads = H, o.causal = true, o.causal_offset = -1, o.block_rows = 8, o.threads = threads;
-    const headmix::CollabHead<T> layer(w, o);
-    expect_cross_calls_thread_safe<T>(layer, rng, D, Dkv, "collab threads=" + std::to_string(threads));
-  }
-}
-
-TYPED_TEST(ThreadSafety, Lsh) {
-  using T = TypeParam;
-  for (int threads : {1, 2}) {
-    Rng rng(4);
-    const Index D = 10, H = 2, dh = 4, dv = 3;
-    headmix::LshWeights<T> w;
-    w.qk = random_linear<T>(rng, H * dh, D, false), w.v = random_linear<T>(rng, H * dv, D, false);
-    w.o = random_linear<T>(rng, 8, H * dv);
-    headmix::LshOptions o;  // seeded rotations: drawn into each caller's workspace
-    o.num_heads = H, o.bucket_size = 4, o.n_hashes = 3, o.causal = true, o.seed = 17, o.threads = threads;
-    const headmix::Lsh<T> shared_rotation(w, o);
-    o.rotations_per_head = true, o.allow_duplicate_attention = false;
-    const headmix::Lsh<T> per_head(w, o);
-    const auto xs = inputs<T>(rng, D, D, false, {37, 20, 53});
-    std::vector<Call<T>> calls;
-    for (const auto& in : xs) {
-      calls.push_back(forward_with_probs<T>(shared_rotation, in));
-      calls.push_back([&](headmix::Workspace<T>& ws) { return per_head.forward(in.view(), ws); });
-      calls.push_back([&](headmix::Workspace<T>& ws) {
-        const Tensor<std::int64_t> b = per_head.buckets(in.view(), ws);
-        Tensor<T> t({b.size()});
-        for (Index i = 0; i < b.size(); ++i) t[i] = static_cast<T>(b[i]);
-        return t;
-      });
+      std::vector<Call<T>> calls;
+      for (const Layer& shared : layers)
+        for (const auto& in : inputs) {
+          const Layer* layer = &shared;
+          for (bool with_probs : {true, false})
+            calls.push_back([=](headmix::Workspace<T>& ws) { return forward(*layer, in, with_probs, ws); });
+          if constexpr (V::has_buckets)
+            calls.push_back([=](headmix::Workspace<T>& ws) {
+              const Tensor<std::int64_t> b = layer->buckets(in, ws);
+              Tensor<T> t({b.size()});
+              for (Index i = 0; i < b.size(); ++i) t[i] = static_cast<T>(b[i]);
+              return t;
+            });
+          if constexpr (V::decodes)
+            if (in.self_attention() && in.key_padding.empty()) {  // step() takes no padding
+              decoded = true;
+              calls.push_back([=](headmix::Workspace<T>& ws) { return decode_all(*layer, in, ws); });
+            }
+        }
+      expect_concurrent_equals_serial<T>(problems[0].describe() + " threads=" + std::to_string(threads), calls);
     }
-    expect_concurrent_equals_serial<T>("lsh threads=" + std::to_string(threads), calls);
+  if constexpr (V::decodes) {
+    EXPECT_TRUE(decoded) << "a decoding variant needs a self-attention setup in thread_safety_shapes()";
   }
 }
 
-TYPED_TEST(ThreadSafety, Dcmha) {
-  using T = TypeParam;
-  for (int threads : {1, 2}) {
-    Rng rng(5);
-    const Index D = 10, H = 4, G = 2, M = 2, R = 2, K = 5;
-    headmix::DcmhaWeights<T> w;
-    w.q = random_linear<T>(rng, H * 3, D), w.k = random_linear<T>(rng, H * 3, D), w.v = random_linear<T>(rng, H * 2, D);
-    w.o = random_linear<T>(rng, 7, H * 2);
-    w.dw1 = random_tensor<T>(rng, {D, G, 4, K}, 0.6), w.qkw = random_tensor<T>(rng, {G, 4, K, 2 * R, M}, 0.45);
-    w.dd = random_tensor<T>(rng, {D, G, 4 * M}, 0.6);
-    w.pre_w = random_tensor<T>(rng, {G, M, M}, 0.5), w.post_w = random_tensor<T>(rng, {G, M, M}, 0.5);
-    headmix::DcmhaOptions o;
-    o.num_heads = H, o.groups = G, o.rank = R, o.static_w = true, o.causal = true, o.window = 9, o.block_rows = 8;
-    o.threads = threads;
-    const headmix::Dcmha<T> layer(w, o);
-    const auto xs = inputs<T>(rng, D, D, false, {37, 20, 53});
-    std::vector<Call<T>> calls;
-    for (const auto& in : xs) {
-      calls.push_back(forward_with_probs<T>(layer, in));
-      if (in.padding.empty())  // step() takes no padding
-        calls.push_back([&](headmix::Workspace<T>& ws) {
-          headmix::SequenceCache<T> cache(in.B, in.L);
-          return decode_all(in, 7, [&](const Matrix<T>& x, Index n, Tensor<T>& y) {
-            layer.step({x.data(), in.B, n, D}, cache, y.batch(), ws);
-          });
-        });
-    }
-    expect_concurrent_equals_serial<T>("dcmha threads=" + std::to_string(threads), calls);
-  }
+template <class Param>
+class ThreadSafety : public ::testing::Test {};
+TYPED_TEST_SUITE(ThreadSafety, AllVariantsInBothScalars, VariantInName);
+
+TYPED_TEST(ThreadSafety, SharedLayersGiveSerialResults) {
+  expect_shared_layers_give_serial_results<typename TypeParam::Variant, typename TypeParam::Scalar>();
 }
 
 }  // namespace

@@ -93,6 +93,31 @@ headmix::AttentionInput<T> self_input(const Matrix<T>& x, Index B, Index T_, Ind
   return in;
 }
 
+/// The random-shape tests of the dense cases (test_mha.cpp, ...): 80
+/// problems of 1-3 items, 1-12 rows and widths, self- or cross-attention,
+/// value heads of width 1-6, an output projection three times in four,
+/// causal half the time with an offset in [-3, 3], padding (rate 0.3) a
+/// third of the time, one of `blocks` query rows and 1-3 threads. The
+/// variant draws its own fields with draw_own(rng, s); each problem's shape
+/// and seed go to check(s, seed).
+template <class S, std::size_t N, class DrawOwn, class Check>
+void for_random_dense_shapes(unsigned seed, const Index (&blocks)[N], DrawOwn draw_own, Check check) {
+  Rng rng(seed);
+  for (unsigned n = 0; n < 80; ++n) {
+    S s;
+    s.B = uniform_int(rng, 1, 3), s.T = uniform_int(rng, 1, 12), s.cross = uniform_int(rng, 0, 1) == 1;
+    s.S = uniform_int(rng, 1, 12), s.D = uniform_int(rng, 1, 12), s.Dkv = uniform_int(rng, 1, 12);
+    s.Dv = uniform_int(rng, 1, 6), s.out_proj = uniform_int(rng, 0, 3) != 0, s.out = uniform_int(rng, 1, 12);
+    draw_own(rng, s);
+    s.causal = uniform_int(rng, 0, 1) == 1;
+    s.offset = s.causal ? uniform_int(rng, -3, 3) : 0;
+    s.pad_rate = uniform_int(rng, 0, 2) == 0 ? 0.3 : 0.0;
+    s.block_rows = blocks[uniform_int(rng, 0, static_cast<int>(N) - 1)];
+    s.threads = uniform_int(rng, 1, 3);
+    check(s, 1000 + n);
+  }
+}
+
 /// rows·keys padding flags, each set with chance rate (none when rate is 0).
 inline std::vector<std::uint8_t> random_padding(Rng& rng, Index rows, Index keys, double rate) {
   std::vector<std::uint8_t> padding;
@@ -211,6 +236,31 @@ template <class T>
       return ::testing::AssertionFailure() << "masked weight at flat index " << i << " is "
                                            << got[static_cast<Index>(i)] << ", not 0";
   return ::testing::AssertionSuccess();
+}
+
+/// Rows of `lin` repeated by head: out head j is stored head j / group, each
+/// head `width` rows. A grouped-query layer's K or V expanded to one head
+/// per query head (test_grouped_query.cpp), by plain loops.
+template <class T>
+headmix::Linear<T> repeat_kv_heads(const headmix::Linear<T>& lin, Index heads, Index group, Index width) {
+  headmix::Linear<T> out;
+  out.weight.resize(heads * width, lin.weight.cols());
+  if (lin.has_bias()) out.bias.resize(heads * width);
+  for (Index j = 0; j < heads; ++j)
+    for (Index r = 0; r < width; ++r) {
+      out.weight.row(j * width + r) = lin.weight.row(j / group * width + r);
+      if (lin.has_bias()) out.bias(j * width + r) = lin.bias(j / group * width + r);
+    }
+  return out;
+}
+
+/// Weights `w` (of kv stored K/V heads) with K repeated over k_heads heads
+/// of dk rows and V over v_heads heads of dv rows.
+template <class W>
+W with_repeated_kv(W w, Index k_heads, Index v_heads, Index kv, Index dk, Index dv) {
+  w.k = repeat_kv_heads(w.k, k_heads, k_heads / kv, dk);
+  w.v = repeat_kv_heads(w.v, v_heads, v_heads / kv, dv);
+  return w;
 }
 
 }  // namespace headmix_test

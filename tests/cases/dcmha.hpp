@@ -47,6 +47,7 @@ struct Config {
   bool pad_all_of_last = false;  // every key of the last batch item padded
   double weight_gain = 1;    // scales q and k weights (bigger scores)
   double dw_norm_eps = 1e-6;  // the W1 RMSNorm epsilon, given to the layer and the reference alike
+  double scale = 0;           // 0: the default 1/sqrt(dk)
   Index block_rows = 0;
   int threads = 1;
 
@@ -60,7 +61,7 @@ std::string describe(const Config& c) {
     << " out=" << c.out << " G=" << c.G << " R=" << c.R << " K=" << c.K << " bias=" << c.bias << " pre=" << c.use_pre
     << " post=" << c.use_post << " qw=" << c.query_wise << " kw=" << c.key_wise << " static=" << c.static_w
     << " causal=" << c.causal << " offset=" << c.offset << " window=" << c.window << " gelu_tanh=" << c.gelu_tanh
-    << " eps=" << c.dw_norm_eps
+    << " eps=" << c.dw_norm_eps << " scale=" << c.scale
     << " pad=" << c.pad_rate
     << " block_rows=" << c.block_rows << " threads=" << c.threads;
   return o.str();
@@ -88,6 +89,7 @@ struct Problem {
     o.window = c.window;
     o.gelu = c.gelu_tanh ? headmix::DcmhaGelu::tanh : headmix::DcmhaGelu::erf;
     o.dw_norm_eps = c.dw_norm_eps;
+    if (c.scale != 0) o.scale = c.scale;
     o.block_rows = c.block_rows;
     o.threads = c.threads;
     return o;
@@ -103,7 +105,7 @@ struct Problem {
     o.use_pre = c.use_pre, o.use_post = c.use_post, o.query_wise = c.query_wise, o.key_wise = c.key_wise;
     o.static_w = c.static_w, o.causal = c.causal, o.causal_offset = c.offset, o.window = c.window;
     o.gelu_tanh = c.gelu_tanh;
-    o.eps = c.dw_norm_eps;
+    o.eps = c.dw_norm_eps, o.scale = c.scale;
     return o;
   }
   headmix_ref::RefDcmhaResult reference() const {
@@ -169,5 +171,31 @@ double max_abs(const std::vector<double>& a) {
   for (double v : a) m = std::max(m, std::abs(v));
   return m;
 }
+
+/// A grouped-query layer and its expansion, for test_grouped_query.cpp
+/// (as mha_case::GroupedQuery).
+template <class T>
+struct GroupedQuery {
+  static constexpr Index kWidth = 11, kHeads = 4, kGroups = 2, kM = 2, kRank = 2, kHidden = 5, kDk = 3, kDv = 2;
+  static Tolerance tolerance() { return dcmha_tolerance<T>(); }  // decoding against the forward
+  static headmix::DcmhaOptions options(Index kv) {
+    headmix::DcmhaOptions o;
+    o.num_heads = kHeads, o.groups = kGroups, o.rank = kRank, o.num_kv_heads = kv, o.causal = true;
+    o.block_rows = 4;
+    return o;
+  }
+  static headmix::DcmhaWeights<T> weights(Rng& rng, Index kv) {
+    headmix::DcmhaWeights<T> w;
+    w.q = random_linear<T>(rng, kHeads * kDk, kWidth), w.k = random_linear<T>(rng, kv * kDk, kWidth);
+    w.v = random_linear<T>(rng, kv * kDv, kWidth), w.o = random_linear<T>(rng, 5, kHeads * kDv);
+    w.dw1 = random_tensor<T>(rng, {kWidth, kGroups, 4, kHidden}, 0.6);
+    w.qkw = random_tensor<T>(rng, {kGroups, 4, kHidden, 2 * kRank, kM}, 0.45);
+    w.dd = random_tensor<T>(rng, {kWidth, kGroups, 4 * kM}, 0.6);
+    return w;
+  }
+  static headmix::DcmhaWeights<T> expanded(headmix::DcmhaWeights<T> w, Index kv) {
+    return with_repeated_kv(std::move(w), kHeads, kHeads, kv, kDk, kDv);
+  }
+};
 
 }  // namespace dcmha_case

@@ -39,6 +39,7 @@ struct Shape {
   bool causal = false;
   long offset = 0;
   long window = 0;        // sliding window (with causal); 0 means none
+  double scale = 0;       // 0: the default 1/sqrt(Dk)
   double pad_rate = 0;    // chance that each key is padded
   Index block_rows = 64;
   Index key_block = 0;    // keys per online-softmax step; 0 = automatic
@@ -54,7 +55,7 @@ std::string describe(const Shape& s) {
     << " Hkv=" << s.kv_heads() << " Dk=" << s.Dk << " Dv=" << s.Dv
     << " out=" << (s.out_proj ? std::to_string(s.out) : "none")
     << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
-    << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate
+    << " offset=" << s.offset << " window=" << s.window << " scale=" << s.scale << " pad_rate=" << s.pad_rate
     << " block_rows=" << s.block_rows << " key_block=" << s.key_block << " threads=" << s.threads;
   return o.str();
 }
@@ -70,6 +71,7 @@ struct Problem {
   headmix::MhaOptions options() const {
     auto o = dense_options<headmix::MhaOptions>(s);
     o.num_kv_heads = s.Hkv, o.key_block = s.key_block;
+    if (s.scale != 0) o.scale = s.scale;
     return o;
   }
   headmix::Mha<T> layer() const { return headmix::Mha<T>(w, options()); }
@@ -81,7 +83,7 @@ struct Problem {
     headmix_ref::RefMhaWeights rw{to_ref(w.q), to_ref(w.k), to_ref(w.v), to_ref(w.o)};
     headmix_ref::RefMhaOptions ro;
     ro.num_heads = s.H, ro.num_kv_heads = s.Hkv, ro.causal = s.causal, ro.causal_offset = s.offset;
-    ro.window = s.window;
+    ro.window = s.window, ro.scale = s.scale;
     return dense_reference<headmix_ref::RefBatch>(
         s, xq, xk, [&](const auto& q, const auto* k) { return headmix_ref::mha_reference(rw, ro, q, k, padding); });
   }
@@ -110,5 +112,26 @@ void expect_matches_reference(const Problem<T>& p, Tolerance tol = default_toler
   SCOPED_TRACE(p.describe());
   EXPECT_TRUE(masked_weights_exactly_zero(c.got.probs, c.want.probs));
 }
+
+/// A grouped-query layer and its expansion, for test_grouped_query.cpp:
+/// weights with `kv` stored K/V heads, options (kv = 0: a K/V head per
+/// head) and the weights with K and V repeated over each group.
+template <class T>
+struct GroupedQuery {
+  static constexpr Index kWidth = 11, kHeads = 4, kDk = 3, kDv = 2;
+  static Tolerance tolerance() { return default_tolerance<T>(); }  // decoding against the forward
+  static headmix::MhaOptions options(Index kv) {
+    headmix::MhaOptions o;
+    o.num_heads = kHeads, o.num_kv_heads = kv, o.causal = true, o.block_rows = 4;
+    return o;
+  }
+  static headmix::MhaWeights<T> weights(Rng& rng, Index kv) {
+    return {random_linear<T>(rng, kHeads * kDk, kWidth), random_linear<T>(rng, kv * kDk, kWidth),
+            random_linear<T>(rng, kv * kDv, kWidth), random_linear<T>(rng, 5, kHeads * kDv)};
+  }
+  static headmix::MhaWeights<T> expanded(headmix::MhaWeights<T> w, Index kv) {
+    return with_repeated_kv(std::move(w), kHeads, kHeads, kv, kDk, kDv);
+  }
+};
 
 }  // namespace mha_case

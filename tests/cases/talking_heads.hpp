@@ -45,6 +45,7 @@ struct Shape {
   long window = 0;   // sliding window (with causal); 0 means none
   double pad_rate = 0;
   double scale = 0;  // 0: the default 1/sqrt(Dk)
+  bool implicit_heads = false;  // options give 0 (num_heads) for h_k or h_v where it equals h
   Index block_rows = 16;
   int threads = 1;
 
@@ -58,6 +59,7 @@ std::string describe(const Shape& s) {
     << " out=" << (s.out_proj ? std::to_string(s.out) : "none") << " pre=" << s.pre << " post=" << s.post
     << (s.cross ? " cross" : " self") << (s.bias ? " bias" : " no-bias") << " causal=" << s.causal
     << " offset=" << s.offset << " window=" << s.window << " pad_rate=" << s.pad_rate << " scale=" << s.scale
+    << " implicit_heads=" << s.implicit_heads
     << " block_rows=" << s.block_rows << " threads=" << s.threads;
   return o.str();
 }
@@ -82,7 +84,8 @@ struct Problem {
 
   headmix::TalkingHeadsOptions options() const {
     auto o = dense_options<headmix::TalkingHeadsOptions>(s);
-    o.key_heads = s.Hk, o.value_heads = s.Hv;
+    o.key_heads = s.implicit_heads && s.Hk == s.H ? 0 : s.Hk;
+    o.value_heads = s.implicit_heads && s.Hv == s.H ? 0 : s.Hv;
     if (s.scale != 0) o.scale = s.scale;
     return o;
   }
@@ -121,5 +124,31 @@ Problem<T> make_problem(Shape s, unsigned seed) {
   draw_dense_inputs(rng, p);
   return p;
 }
+
+/// A grouped-query layer and its expansion, for test_grouped_query.cpp
+/// (as mha_case::GroupedQuery; K repeats over the key heads, V over the
+/// value heads).
+template <class T>
+struct GroupedQuery {
+  static constexpr Index kWidth = 11, kKeyHeads = 4, kHeads = 3, kValueHeads = 2, kDk = 3, kDv = 2;
+  static Tolerance tolerance() { return default_tolerance<T>(); }  // decoding against the forward
+  static headmix::TalkingHeadsOptions options(Index kv) {
+    headmix::TalkingHeadsOptions o;
+    o.num_heads = kHeads, o.key_heads = kKeyHeads, o.value_heads = kValueHeads, o.num_kv_heads = kv;
+    o.causal = true, o.block_rows = 4;
+    return o;
+  }
+  static headmix::TalkingHeadsWeights<T> weights(Rng& rng, Index kv) {
+    headmix::TalkingHeadsWeights<T> w;
+    w.q = random_linear<T>(rng, kKeyHeads * kDk, kWidth), w.k = random_linear<T>(rng, kv * kDk, kWidth);
+    w.v = random_linear<T>(rng, kv * kDv, kWidth), w.o = random_linear<T>(rng, 5, kValueHeads * kDv);
+    w.pre_softmax = random_matrix<T>(rng, kHeads, kKeyHeads, 1.0);
+    w.post_softmax = random_matrix<T>(rng, kValueHeads, kHeads, 1.0);
+    return w;
+  }
+  static headmix::TalkingHeadsWeights<T> expanded(headmix::TalkingHeadsWeights<T> w, Index kv) {
+    return with_repeated_kv(std::move(w), kKeyHeads, kValueHeads, kv, kDk, kDv);
+  }
+};
 
 }  // namespace th_case

@@ -12,20 +12,13 @@ namespace headmix::conformance {
 template <class T>
 CollabHead<T> load_collab_case(const io::TensorFile& f) {
   const auto config = case_config(f);
-  CollabHeadOptions opt;
-  opt.num_heads = config.at("num_heads").get<Index>();
-  read_dense_options(config, opt);
+  const auto opt = dense_case_options<CollabHeadOptions>(config);
   return CollabHead<T>::from_tensors(f, "", opt, config.value("layer_norm_eps", 1e-5));
 }
 
 template <class T>
 CaseOutputs run_collab_case(const io::TensorFile& f) {
-  const CollabHead<T> layer = load_collab_case<T>(f);
-  CaseInputs<T> inputs(f);
-  Workspace<T> ws;
-  Tensor<T> probs;
-  Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs), std::nullopt, {}};
+  return run_dense_layer(load_collab_case<T>(f), f);
 }
 
 inline const AdapterRegistration collab_adapter{"collab", {run_collab_case<double>, run_collab_case<float>}};

@@ -10,6 +10,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace headmix::conformance {
@@ -76,6 +78,37 @@ inline void read_dense_options(const nlohmann::json& config, DenseOptions& opt) 
 inline Index read_kv_heads(const nlohmann::json& config) {
   return config.contains("num_kv_heads") && !config["num_kv_heads"].is_null() ? config["num_kv_heads"].get<Index>()
                                                                                 : 0;
+}
+
+/// Whether a variant's options have grouped K/V heads (num_kv_heads).
+template <class Options, class = void>
+struct has_kv_heads : std::false_type {};
+template <class Options>
+struct has_kv_heads<Options, std::void_t<decltype(Options::num_kv_heads)>> : std::true_type {};
+
+/// The options of a dense case: num_heads, read_dense_options' and, where
+/// the variant has them, num_kv_heads. The adapter adds its own fields.
+template <class Options>
+Options dense_case_options(const nlohmann::json& config) {
+  Options opt;
+  opt.num_heads = config.at("num_heads").get<Index>();
+  read_dense_options(config, opt);
+  if constexpr (has_kv_heads<Options>::value) opt.num_kv_heads = read_kv_heads(config);
+  return opt;
+}
+
+/// A dense layer run on its case's inputs: the output, the final weights
+/// and, from `softmax_of(layer, input, ws)` when given, the softmax before
+/// a post-softmax mix.
+template <template <class> class Layer, class T, class SoftmaxOf = std::nullptr_t>
+CaseOutputs run_dense_layer(const Layer<T>& layer, const io::TensorFile& f, SoftmaxOf softmax_of = nullptr) {
+  const CaseInputs<T> inputs(f);
+  Workspace<T> ws;
+  Tensor<T> probs;
+  const Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
+  CaseOutputs result{to_double(out), to_double(probs), std::nullopt, {}};
+  if constexpr (!std::is_same_v<SoftmaxOf, std::nullptr_t>) result.softmax = to_double(softmax_of(layer, inputs.view(), ws));
+  return result;
 }
 
 /// One variant's adapter: its case runner in double and in float.

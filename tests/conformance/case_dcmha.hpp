@@ -14,8 +14,7 @@ namespace headmix::conformance {
 template <class T>
 Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
   const auto config = case_config(f);
-  DcmhaOptions opt;
-  opt.num_heads = config.at("num_heads").get<Index>();
+  auto opt = dense_case_options<DcmhaOptions>(config);
   opt.groups = config.value("groups", Index(1));
   opt.rank = config.value("rank", Index(2));
   opt.use_pre = config.value("use_pre", true);
@@ -23,8 +22,6 @@ Dcmha<T> load_dcmha_case(const io::TensorFile& f) {
   opt.query_wise = config.value("query_wise", true);
   opt.key_wise = config.value("key_wise", true);
   opt.static_w = config.value("static_w", false);
-  read_dense_options(config, opt);
-  opt.num_kv_heads = read_kv_heads(config);
   opt.dw_norm_eps = config.value("dw_norm_eps", 1e-6);
   const std::string gelu = config.value("dw_gelu", std::string("erf"));
   if (gelu != "erf" && gelu != "tanh") throw std::runtime_error("dcmha case: unknown dw_gelu '" + gelu + "'");
@@ -46,12 +43,7 @@ Tensor<T> dcmha_softmax(const Dcmha<T>& layer, const AttentionInput<T>& in, Work
 
 template <class T>
 CaseOutputs run_dcmha_case(const io::TensorFile& f) {
-  const Dcmha<T> layer = load_dcmha_case<T>(f);
-  CaseInputs<T> inputs(f);
-  Workspace<T> ws;
-  Tensor<T> probs;
-  Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs), to_double(dcmha_softmax(layer, inputs.view(), ws)), {}};
+  return run_dense_layer(load_dcmha_case<T>(f), f, dcmha_softmax<T>);
 }
 
 inline const AdapterRegistration dcmha_adapter{"dcmha", {run_dcmha_case<double>, run_dcmha_case<float>}};

@@ -27,19 +27,11 @@ Tensor<T> talking_heads_softmax(const TalkingHeads<T>& layer, const AttentionInp
 template <class T>
 CaseOutputs run_talking_heads_case(const io::TensorFile& f) {
   const auto config = case_config(f);
-  TalkingHeadsOptions opt;
-  opt.num_heads = config.value("heads_logits", config.at("num_heads").get<Index>());
+  auto opt = dense_case_options<TalkingHeadsOptions>(config);
+  opt.num_heads = config.value("heads_logits", opt.num_heads);
   opt.key_heads = config.value("heads_key", opt.num_heads);
   opt.value_heads = config.value("heads_value", opt.num_heads);
-  read_dense_options(config, opt);
-  opt.num_kv_heads = read_kv_heads(config);
-  const auto layer = TalkingHeads<T>::from_tensors(f, "", opt);
-
-  CaseInputs<T> inputs(f);
-  Workspace<T> ws;
-  Tensor<T> probs;
-  Tensor<T> out = layer.forward(inputs.view(), ws, &probs);
-  return {to_double(out), to_double(probs), to_double(talking_heads_softmax(layer, inputs.view(), ws)), {}};
+  return run_dense_layer(TalkingHeads<T>::from_tensors(f, "", opt), f, talking_heads_softmax<T>);
 }
 
 inline const AdapterRegistration talking_heads_adapter{"talking_heads", {run_talking_heads_case<double>, run_talking_heads_case<float>}};

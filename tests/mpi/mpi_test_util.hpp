@@ -1,9 +1,10 @@
 // Helpers shared by the MPI test programs: the world's rank and size,
 // checks across ranks (an error on every rank, the same text on every
 // rank, forward_scatter against one process's rows, gathered probs), the
-// sequence-parallel output put back together (reassemble), and the body of
-// main(): run_all_tests() owns MPI_Init / MPI_Finalize and prints other
-// ranks' failures with their rank.
+// sequence-parallel output put back together (reassemble), the
+// head-parallel problems and their checks against one process, and the
+// body of main(): run_all_tests() owns MPI_Init / MPI_Finalize and prints
+// other ranks' failures with their rank.
 #pragma once
 
 #include "headmix/core/error.hpp"
@@ -11,19 +12,28 @@
 #include "headmix/core/sequence_cache.hpp"
 #include "headmix/core/workspace.hpp"
 #include "headmix/io/io_error.hpp"
+#include "headmix/mpi/communicator.hpp"
+#include "headmix/mpi/head_parallel.hpp"
 #include "reference/mha_reference.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace headmix_mpi_test {
+
+// The MPI tests name the sharded layers and their parts (Communicator,
+// HeadParallelMha, SequenceSplit, ...) through `using namespace
+// headmix_mpi_test`, as they name headmix's through headmix_test.
+using namespace headmix::mpi;
 
 inline int world_size() {
   int n = 0;
@@ -53,12 +63,28 @@ inline long long sum_over_ranks(long long v) {
   return v;
 }
 
+/// `v` is the same on every rank (its least and its most agree).
+inline void expect_same_across_ranks(long long v) {
+  long long least = v, most = v;
+  MPI_Allreduce(MPI_IN_PLACE, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
+  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
+  EXPECT_EQ(least, most);
+}
+
 /// Every rank reaches this point and MPI's collectives are still matched.
 inline void expect_all_ranks_here() { EXPECT_EQ(sum_over_ranks(1), world_size()); }
 
 template <class T>
 MPI_Datatype mpi_type() {
   return sizeof(T) == sizeof(float) ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+/// `t` with its values converted to `To`.
+template <class To, class From>
+headmix::Tensor<To> converted(const headmix::Tensor<From>& t) {
+  headmix::Tensor<To> out(t.shape());
+  for (headmix::Index i = 0; i < t.size(); ++i) out[i] = static_cast<To>(t[i]);
+  return out;
 }
 
 // Every rank's shard [B, rows(r), W] of a sequence split (a
@@ -125,6 +151,128 @@ headmix::Tensor<T> positions(const headmix::Tensor<T>& x, headmix::Index at, hea
   headmix::Tensor<T> part({x.dim(0), n, x.dim(2)});
   for (headmix::Index b = 0; b < x.dim(0); ++b) part.batch().item(b) = x.batch().item(b).middleRows(at, n);
   return part;
+}
+
+/// A head-parallel problem: a layer's full weights, options and input (the
+/// same on every rank for the same seed), and the one-process and sharded
+/// layers they make.
+template <template <class> class Layer, class T, class Weights, class Options>
+struct LayerProblem {
+  using Scalar = T;
+  using One = Layer<T>;
+  using Sharded = headmix::mpi::HeadParallel<Layer, T>;
+  Weights w;
+  Options opt;
+  headmix::Tensor<T> x, kv;
+  std::vector<std::uint8_t> padding;  ///< [B, keys], empty: none
+
+  headmix::AttentionInput<T> input() const {
+    headmix::AttentionInput<T> in;
+    in.query = x.batch();
+    if (kv.rank() != 0) in.key = kv.batch();
+    if (!padding.empty()) in.key_padding = {padding.data(), x.dim(0), in.keys().length()};
+    return in;
+  }
+};
+
+/// Keys padded in a fixed pattern, none fully: key j of sequence b when
+/// j % 3 == b + 1. [batch, keys].
+inline std::vector<std::uint8_t> padding_every_third(headmix::Index batch, headmix::Index keys) {
+  std::vector<std::uint8_t> padding;
+  for (headmix::Index b = 0; b < batch; ++b)
+    for (headmix::Index j = 0; j < keys; ++j) padding.push_back(j % 3 == b + 1 ? 1 : 0);
+  return padding;
+}
+
+/// check(case, problem, one-process layer, sharded layer) for every case,
+/// the problem make(case, seed) with seeds counting up from `seed`.
+template <class Cases, class Make, class Check>
+void for_each_sharded_case(const Cases& cases, unsigned seed, Make make, Check check) {
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto p = make(c, seed++);
+    using Problem_ = std::decay_t<decltype(p)>;
+    const typename Problem_::One one(p.w, p.opt);
+    typename Problem_::Sharded sharded(p.w, p.opt, headmix::mpi::Communicator(MPI_COMM_WORLD));
+    check(c, p, one, sharded);
+  }
+}
+
+/// The bad-input tests' layer: problem `p` sharded, an output buffer, and
+/// the output before the errors, which the layer must still give after
+/// them.
+template <class Problem_>
+struct ErrorTestLayer {
+  using T = typename Problem_::Scalar;
+  const Problem_ p;
+  const typename Problem_::Sharded sharded;
+  headmix::Workspace<T> ws;
+  headmix::Tensor<T> out;
+  const headmix::Tensor<T> want;
+
+  explicit ErrorTestLayer(Problem_ problem)
+      : p(std::move(problem)),
+        sharded(p.w, p.opt, headmix::mpi::Communicator(MPI_COMM_WORLD)),
+        out({p.x.dim(0), p.x.dim(1), sharded.out_dim()}),
+        want(sharded.forward(p.input(), ws)) {}
+
+  /// The last rank's query is one column too wide: every rank throws, that
+  /// rank's message naming `what`.
+  void expect_wide_query_on_last_rank_throws(const std::string& what) {
+    const int last = world_size() - 1;
+    const headmix::Tensor<T> wide({p.x.dim(0), p.x.dim(1), p.x.dim(2) + 1});
+    auto in = p.input();
+    if (world_rank() == last) in.query = wide.batch();
+    expect_error_everywhere("shape_error", last, [&] { sharded.forward(in, out.batch(), ws); }, {what});
+  }
+
+  /// After the errors, the layer still works on every rank.
+  void expect_still_works() {
+    sharded.forward(p.input(), out.batch(), ws);
+    EXPECT_TRUE(headmix_test::bit_identical("output after the errors", out, want));
+  }
+};
+
+/// The sharded forward, output and gathered probs, against one process.
+/// Returns the sharded output.
+template <class T, class Problem_, class One, class Sharded>
+headmix::Tensor<T> expect_forward_equal(const Problem_& p, const One& one, const Sharded& sharded,
+                                        headmix_test::Tolerance tol) {
+  using headmix_test::all_close, headmix_test::widen;
+  EXPECT_EQ(sharded.local_heads() * world_size(), p.opt.num_heads);
+  EXPECT_EQ(sharded.out_dim(), one.out_dim());
+  headmix::Workspace<T> ws1, ws;
+  headmix::Tensor<T> probs1, probs;
+  const headmix::Tensor<T> want = one.forward(p.input(), ws1, &probs1);
+  const headmix::Tensor<T> got = sharded.forward(p.input(), ws, &probs);
+  EXPECT_EQ(got.shape(), want.shape());
+  EXPECT_EQ(probs.shape(), probs1.shape());
+  EXPECT_TRUE(all_close("output vs one process", got, widen(want), tol));
+  EXPECT_TRUE(all_close("probs vs one process", probs, widen(probs1), tol));
+  // Without probs, the same output (no probs gather in between).
+  EXPECT_TRUE(headmix_test::bit_identical("output without probs", sharded.forward(p.input(), ws), got));
+  return got;
+}
+
+/// A 2-token prompt, then one token at a time through `cache1` (one
+/// process) and `cache` (sharded), both empty: every step's output and
+/// probs against one process.
+template <class T, class Problem_, class One, class Sharded>
+void expect_steps_equal(const Problem_& p, const One& one, const Sharded& sharded, headmix::SequenceCache<T>& cache1,
+                        headmix::SequenceCache<T>& cache, headmix_test::Tolerance tol) {
+  using headmix_test::all_close, headmix_test::widen;
+  headmix::Workspace<T> ws1, ws;
+  for (headmix::Index at = 0; at < p.x.dim(1);) {
+    const headmix::Index n = at == 0 ? 2 : 1;
+    const headmix::Tensor<T> x = positions(p.x, at, n);
+    headmix::Tensor<T> probs1, probs;
+    const headmix::Tensor<T> want = one.step(x.batch(), cache1, ws1, &probs1);
+    const headmix::Tensor<T> got = sharded.step(x.batch(), cache, ws, &probs);
+    EXPECT_TRUE(all_close("step output", got, widen(want), tol)) << "position " << at;
+    EXPECT_TRUE(all_close("step probs", probs, widen(probs1), tol)) << "position " << at;
+    at += n;
+    EXPECT_EQ(cache.size(), at);
+  }
 }
 
 /// forward_scatter: this rank's contiguous rows of the one-process output,
@@ -202,6 +350,31 @@ void expect_probs_on_one_rank_throw(const Sharded& sharded, const headmix::Atten
       "shape_error", -1,
       [&] { sharded.forward(mine, length, out, ws, world_rank() == 0 ? &probs : nullptr); },
       {"arguments across ranks", "probs from 0 to 1"});
+}
+
+/// Each rank's shard fits the length it passes, but the last rank passes
+/// its shard of `other`, a longer sequence, while the others pass `shard`
+/// of `length` (and `out`, its output): every rank throws the same
+/// shape_error. Returns this rank's shard of `other`.
+template <class T, class Sharded>
+headmix::Tensor<T> expect_longer_sequence_on_last_rank_throws(Sharded& sharded, const headmix::Tensor<T>& shard,
+                                                              headmix::Index length, headmix::Tensor<T>& out,
+                                                              const headmix::Tensor<T>& other,
+                                                              headmix::Workspace<T>& ws) {
+  const int me = world_rank(), last = world_size() - 1;
+  const headmix::Index other_length = other.dim(1);
+  headmix::Tensor<T> other_shard = sharded.split(other_length).take(other.batch(), me);
+  headmix::Tensor<T> other_out({other.dim(0), other_shard.dim(1), out.dim(2)});
+  expect_error_everywhere(
+      "shape_error", -1,
+      [&] {
+        if (me == last)
+          sharded.forward({other_shard.batch(), {}, {}}, other_length, other_out.batch(), ws);
+        else
+          sharded.forward({shard.batch(), {}, {}}, length, out.batch(), ws);
+      },
+      {"sequence length from " + std::to_string(length) + " to " + std::to_string(other_length)});
+  return other_shard;
 }
 
 /// Rank 0 prints GoogleTest's usual output; the others only their failures.

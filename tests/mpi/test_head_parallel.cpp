@@ -34,10 +34,6 @@ namespace {
 
 using namespace headmix_test;
 using namespace headmix_mpi_test;
-using headmix::Index;
-using headmix::mpi::Communicator;
-using headmix::mpi::HeadParallelDcmha;
-using headmix::mpi::HeadParallelMha;
 
 constexpr Index kBatch = 2, kLength = 7, kKeys = 9, kWidth = 10, kKeyWidth = 6, kDk = 4, kDv = 3, kOut = 5;
 
@@ -74,37 +70,11 @@ const Case kCases[] = {
     {"one head per rank, window 3, no biases", 1, 1, false, false, true, 3, true, false, false, 1},
 };
 
-// A layer's full weights, options and input; the same for every variant.
-template <template <class> class Layer, class T, class Weights, class Options>
-struct LayerProblem {
-  using One = Layer<T>;
-  using Sharded = headmix::mpi::HeadParallel<Layer, T>;
-  Weights w;
-  Options opt;
-  Tensor<T> x, kv;
-  std::vector<std::uint8_t> padding;
-
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = x.batch();
-    if (kv.rank() != 0) in.key = kv.batch();
-    if (!padding.empty()) in.key_padding = {padding.data(), kBatch, in.keys().length()};
-    return in;
-  }
-};
-
+// The full layers' weights, options and input.
 template <class T>
 using Problem = LayerProblem<headmix::Mha, T, headmix::MhaWeights<T>, headmix::MhaOptions>;
 template <class T>
 using DcmhaProblem = LayerProblem<headmix::Dcmha, T, headmix::DcmhaWeights<T>, headmix::DcmhaOptions>;
-
-// Keys padded in a fixed pattern, none fully.
-std::vector<std::uint8_t> padding_pattern(Index keys) {
-  std::vector<std::uint8_t> padding;
-  for (Index b = 0; b < kBatch; ++b)
-    for (Index j = 0; j < keys; ++j) padding.push_back(j % 3 == b + 1 ? 1 : 0);
-  return padding;
-}
 
 // The same seed gives the same weights and input on every rank.
 template <class T>
@@ -125,7 +95,7 @@ Problem<T> make_problem(const Case& c, unsigned seed) {
   if (c.o) p.w.o = random_linear<T>(rng, kOut, H * kDv, c.o_bias);
   p.x = random_tensor<T>(rng, {kBatch, kLength, kWidth}, 1.0);
   if (c.cross) p.kv = random_tensor<T>(rng, {kBatch, kKeys, Dkv}, 1.0);
-  if (c.padded) p.padding = padding_pattern(S);
+  if (c.padded) p.padding = padding_every_third(kBatch, S);
   return p;
 }
 
@@ -169,7 +139,7 @@ DcmhaProblem<T> make_problem(const DcmhaCase& c, unsigned seed) {
     if (c.use_post) p.w.post_w = random_tensor<T>(rng, {G, M, M}, 0.5);
   }
   p.x = random_tensor<T>(rng, {kBatch, kLength, kWidth}, 1.0);
-  if (c.padded) p.padding = padding_pattern(kLength);
+  if (c.padded) p.padding = padding_every_third(kBatch, kLength);
   return p;
 }
 
@@ -195,53 +165,16 @@ headmix_ref::RefMhaResult reference(const Problem<T>& p) {
 // seeds counting up from `seed`.
 template <class T, class Cases, class Check>
 void for_each_case(const Cases& cases, unsigned seed, Check check) {
-  for (const auto& c : cases) {
-    SCOPED_TRACE(c.name);
-    const auto p = make_problem<T>(c, seed++);
-    using Problem_ = std::decay_t<decltype(p)>;
-    const typename Problem_::One one(p.w, p.opt);
-    typename Problem_::Sharded sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
-    check(c, p, one, sharded);
-  }
+  for_each_sharded_case(cases, seed, [](const auto& c, unsigned s) { return make_problem<T>(c, s); }, check);
 }
 
-// The sharded forward, output and gathered probs, against one process.
-// Returns the sharded output.
-template <class T, class Problem_, class One, class Sharded>
-Tensor<T> expect_forward_equal(const Problem_& p, const One& one, const Sharded& sharded, Tolerance tol) {
-  EXPECT_EQ(sharded.local_heads() * world_size(), p.opt.num_heads);
-  EXPECT_EQ(sharded.out_dim(), one.out_dim());
-  headmix::Workspace<T> ws1, ws;
-  Tensor<T> probs1, probs;
-  const Tensor<T> want = one.forward(p.input(), ws1, &probs1);
-  const Tensor<T> got = sharded.forward(p.input(), ws, &probs);
-  EXPECT_EQ(got.shape(), want.shape());
-  EXPECT_EQ(probs.shape(), probs1.shape());
-  EXPECT_TRUE(all_close("output vs one process", got, widen(want), tol));
-  EXPECT_TRUE(all_close("probs vs one process", probs, widen(probs1), tol));
-  // Without probs, the same output (no probs gather in between).
-  EXPECT_TRUE(bit_identical("output without probs", sharded.forward(p.input(), ws), got));
-  return got;
-}
-
-// A 2-token prompt, then one token at a time: every step's output and
-// probs against one process; each rank caches about 1/P.
+// Decoding token by token equals one process (expect_steps_equal); each
+// rank caches about 1/P.
 template <class T, class Problem_, class One, class Sharded>
 void expect_decoding_equal(const Problem_& p, const One& one, const Sharded& sharded, Tolerance tol,
                            bool padded_cache = false) {
   headmix::SequenceCache<T> cache1(kBatch, kLength), cache(kBatch, kLength);
-  headmix::Workspace<T> ws1, ws;
-  for (Index at = 0; at < kLength;) {
-    const Index n = at == 0 ? 2 : 1;
-    const Tensor<T> x = positions(p.x, at, n);
-    Tensor<T> probs1, probs;
-    const Tensor<T> want = one.step(x.batch(), cache1, ws1, &probs1);
-    const Tensor<T> got = sharded.step(x.batch(), cache, ws, &probs);
-    EXPECT_TRUE(all_close("step output", got, widen(want), tol)) << "position " << at;
-    EXPECT_TRUE(all_close("step probs", probs, widen(probs1), tol)) << "position " << at;
-    at += n;
-    EXPECT_EQ(cache.size(), at);
-  }
+  expect_steps_equal(p, one, sharded, cache1, cache, tol);
   // Exactly 1/P, unless the layer pads its cache rows (DCMHA pads each
   // key-factor row to a multiple of 16 positions, per cache).
   const std::size_t P = static_cast<std::size_t>(world_size());
@@ -574,17 +507,12 @@ TEST(HeadParallelMhaErrors, CheckpointThatLacksASlice) {
 
 TEST(HeadParallelMhaErrors, BadInputOnOneRankThrowsOnEveryRank) {
   const Problem<double> p = make_problem<double>(kCases[0], 602);
-  const HeadParallelMha<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
+  ErrorTestLayer t(p);
+  t.expect_wide_query_on_last_rank_throws("[mha] input.query");
+  const auto& sharded = t.sharded;
+  auto& ws = t.ws;
+  auto& out = t.out;
   const int last = world_size() - 1;
-  headmix::Workspace<double> ws;
-  Tensor<double> out({kBatch, kLength, kOut}), wide({kBatch, kLength, kWidth + 1});
-  const Tensor<double> want = sharded.forward(p.input(), ws);
-
-  // The last rank's query is one column too wide.
-  auto in = p.input();
-  if (world_rank() == last) in.query = wide.batch();
-  expect_error_everywhere(
-      "shape_error", last, [&] { sharded.forward(in, out.batch(), ws); }, {"[mha] input.query"});
 
   // Rank 0's output buffer has the wrong width.
   Tensor<double> narrow({kBatch, kLength, kOut - 1});
@@ -594,7 +522,7 @@ TEST(HeadParallelMhaErrors, BadInputOnOneRankThrowsOnEveryRank) {
 
   // Valid on each rank, but the last rank passes one query fewer: the
   // collectives would not match.
-  in = p.input();
+  auto in = p.input();
   Tensor<double> fewer({kBatch - 1, kLength, kOut});
   if (world_rank() == last) in.query = {p.x.data(), kBatch - 1, kLength, kWidth};
   expect_error_everywhere(
@@ -606,10 +534,7 @@ TEST(HeadParallelMhaErrors, BadInputOnOneRankThrowsOnEveryRank) {
   expect_error_everywhere(
       "shape_error", -1, [&] { sharded.forward(p.input(), out.batch(), ws, world_rank() == 0 ? &probs : nullptr); },
       {"probs from 0 to 1"});
-
-  // The layer still works on every rank.
-  sharded.forward(p.input(), out.batch(), ws);
-  EXPECT_TRUE(bit_identical("output after the errors", out, want));
+  t.expect_still_works();
 }
 
 TEST(HeadParallelMhaErrors, DecodingErrorOnOneRankKeepsEveryCache) {

@@ -33,10 +33,6 @@ namespace {
 
 using namespace headmix_test;
 using namespace headmix_mpi_test;
-using headmix::Index;
-using headmix::mpi::Communicator;
-using headmix::mpi::HeadParallelCollabHead;
-using headmix::mpi::HeadParallelLsh;
 
 constexpr Index kBatch = 2, kLength = 7, kKeys = 9, kWidth = 10, kKeyWidth = 6, kDv = 3, kOut = 5;
 
@@ -70,21 +66,9 @@ const Case kCases[] = {
      2, true},
 };
 
+// The full layer's weights, options and input.
 template <class T>
-struct Problem {
-  headmix::CollabHeadWeights<T> w;
-  headmix::CollabHeadOptions opt;
-  Tensor<T> x, kv;
-  std::vector<std::uint8_t> padding;
-
-  headmix::AttentionInput<T> input() const {
-    headmix::AttentionInput<T> in;
-    in.query = x.batch();
-    if (kv.rank() != 0) in.key = kv.batch();
-    if (!padding.empty()) in.key_padding = {padding.data(), kBatch, in.keys().length()};
-    return in;
-  }
-};
+using Problem = LayerProblem<headmix::CollabHead, T, headmix::CollabHeadWeights<T>, headmix::CollabHeadOptions>;
 
 // The same seed gives the same weights and input on every rank.
 template <class T>
@@ -114,21 +98,15 @@ Problem<T> make_problem(const Case& c, unsigned seed) {
   }
   p.x = random_tensor<T>(rng, {kBatch, kLength, D}, 1.0);
   if (c.cross) p.kv = random_tensor<T>(rng, {kBatch, kKeys, Dkv}, 1.0);
-  if (c.padded)
-    for (Index b = 0; b < kBatch; ++b)
-      for (Index j = 0; j < S; ++j) p.padding.push_back(j % 3 == b + 1 ? 1 : 0);
+  if (c.padded) p.padding = padding_every_third(kBatch, S);
   return p;
 }
 
+// check(case, problem, one-process layer, sharded layer) for every case,
+// seeds counting up from `seed`.
 template <class T, class Check>
 void for_each_case(unsigned seed, Check check) {
-  for (const Case& c : kCases) {
-    SCOPED_TRACE(c.name);
-    const Problem<T> p = make_problem<T>(c, seed++);
-    const headmix::CollabHead<T> one(p.w, p.opt);
-    HeadParallelCollabHead<T> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
-    check(c, p, one, sharded);
-  }
+  for_each_sharded_case(kCases, seed, make_problem<T>, check);
 }
 
 template <class T>
@@ -139,16 +117,7 @@ TYPED_TEST_SUITE(HeadParallelCollabTest, Scalars);
 TYPED_TEST(HeadParallelCollabTest, ForwardEqualsOneProcess) {
   using T = TypeParam;
   for_each_case<T>(100, [](const Case&, const Problem<T>& p, const auto& one, const auto& sharded) {
-    EXPECT_EQ(sharded.local_heads() * world_size(), p.opt.num_heads);
-    headmix::Workspace<T> ws1, ws;
-    Tensor<T> probs1, probs;
-    const Tensor<T> want = one.forward(p.input(), ws1, &probs1);
-    const Tensor<T> got = sharded.forward(p.input(), ws, &probs);
-    EXPECT_EQ(got.shape(), want.shape());
-    EXPECT_EQ(probs.shape(), probs1.shape());
-    EXPECT_TRUE(all_close("output vs one process", got, widen(want), sharded_tolerance<T>()));
-    EXPECT_TRUE(all_close("probs vs one process", probs, widen(probs1), sharded_tolerance<T>()));
-    EXPECT_TRUE(bit_identical("output without probs", sharded.forward(p.input(), ws), got));
+    expect_forward_equal<T>(p, one, sharded, sharded_tolerance<T>());
   });
 }
 
@@ -164,17 +133,7 @@ TYPED_TEST(HeadParallelCollabTest, DecodingTokenByTokenEqualsOneProcess) {
   for_each_case<T>(200, [](const Case& c, const Problem<T>& p, const auto& one, const auto& sharded) {
     if (c.cross) return;  // decoding is self-attention
     headmix::SequenceCache<T> cache1(kBatch, kLength), cache(kBatch, kLength);
-    headmix::Workspace<T> ws1, ws;
-    for (Index at = 0; at < kLength;) {
-      const Index n = at == 0 ? 2 : 1;
-      const Tensor<T> x = positions(p.x, at, n);
-      Tensor<T> probs1, probs;
-      const Tensor<T> want = one.step(x.batch(), cache1, ws1, &probs1);
-      const Tensor<T> got = sharded.step(x.batch(), cache, ws, &probs);
-      EXPECT_TRUE(all_close("step output", got, widen(want), sharded_tolerance<T>())) << "position " << at;
-      EXPECT_TRUE(all_close("step probs", probs, widen(probs1), sharded_tolerance<T>())) << "position " << at;
-      at += n;
-    }
+    expect_steps_equal(p, one, sharded, cache1, cache, sharded_tolerance<T>());
     EXPECT_EQ(cache.size(), kLength);
   });
 }
@@ -311,24 +270,16 @@ TEST(HeadParallelCollabErrors, ShapesThatDoNotShard) {
 }
 
 TEST(HeadParallelCollabErrors, BadInputOnOneRankThrowsOnEveryRank) {
-  const Problem<double> p = make_problem<double>(kCases[0], 402);
-  const HeadParallelCollabHead<double> sharded(p.w, p.opt, Communicator(MPI_COMM_WORLD));
-  const int last = world_size() - 1;
-  headmix::Workspace<double> ws;
-  Tensor<double> out({kBatch, kLength, kOut}), wide({kBatch, kLength, kWidth + 1});
-  const Tensor<double> want = sharded.forward(p.input(), ws);
-  auto in = p.input();
-  if (world_rank() == last) in.query = wide.batch();
-  expect_error_everywhere("shape_error", last, [&] { sharded.forward(in, out.batch(), ws); }, {"[collab] input.query"});
+  ErrorTestLayer t(make_problem<double>(kCases[0], 402));
+  t.expect_wide_query_on_last_rank_throws("[collab] input.query");
   // A cache that is full on rank 0 only: every rank throws, every cache keeps its size.
   headmix::SequenceCache<double> cache(kBatch, world_rank() == 0 ? 2 : kLength);
   Tensor<double> out3({kBatch, 3, kOut});
   expect_error_everywhere("cache_full_error", 0,
-                          [&] { sharded.step(positions(p.x, 0, 3).batch(), cache, out3.batch(), ws); }, {"cache"});
+                          [&] { t.sharded.step(positions(t.p.x, 0, 3).batch(), cache, out3.batch(), t.ws); },
+                          {"cache"});
   EXPECT_EQ(cache.size(), 0);
-  // The layer still works on every rank.
-  sharded.forward(p.input(), out.batch(), ws);
-  EXPECT_TRUE(bit_identical("output after the errors", out, want));
+  t.expect_still_works();
 }
 
 // ---------------------------------------------------------------------------
@@ -369,10 +320,7 @@ headmix::LshWeights<T> narrowed(const headmix::LshWeights<double>& w) {
   headmix::LshWeights<T> n;
   n.qk = cast(w.qk), n.v = cast(w.v);
   if (!w.o.empty()) n.o = cast(w.o);
-  if (w.rotations.rank() != 0) {
-    n.rotations = Tensor<T>(w.rotations.shape());
-    for (Index i = 0; i < w.rotations.size(); ++i) n.rotations[i] = static_cast<T>(w.rotations[i]);
-  }
+  if (w.rotations.rank() != 0) n.rotations = converted<T>(w.rotations);
   return n;
 }
 
@@ -394,9 +342,7 @@ LshProblem make_lsh_problem(const LshCase& c, unsigned seed) {
   if (c.given_rotation)
     p.w.rotations = random_tensor<double>(rng, {c.per_head ? kBatch * H : 1, kLshDk, 2, kLshBuckets / 2}, 1.0);
   p.x = random_tensor<double>(rng, {kBatch, kLength, kWidth}, 1.0);
-  if (c.padded)
-    for (Index b = 0; b < kBatch; ++b)
-      for (Index j = 0; j < kLength; ++j) p.padding.push_back(j % 3 == b + 1 ? 1 : 0);
+  if (c.padded) p.padding = padding_every_third(kBatch, kLength);
   return p;
 }
 
@@ -406,13 +352,6 @@ headmix::AttentionInput<T> lsh_input(const LshProblem& p, const Tensor<T>& x) {
   in.query = x.batch();
   if (!p.padding.empty()) in.key_padding = {p.padding.data(), kBatch, kLength};
   return in;
-}
-
-template <class T>
-Tensor<T> narrowed(const Tensor<double>& t) {
-  Tensor<T> n(t.shape());
-  for (Index i = 0; i < t.size(); ++i) n[i] = static_cast<T>(t[i]);
-  return n;
 }
 
 // check(case, problem) for every LSH case, seeds from `seed` up.
@@ -433,7 +372,7 @@ TYPED_TEST(HeadParallelLshTest, ForwardEqualsOneProcess) {
   for_each_lsh_case(500, [](const LshCase& c, const LshProblem& p) {
     const headmix::Lsh<T> one(narrowed<T>(p.w), p.opt);
     HeadParallelLsh<T> sharded(narrowed<T>(p.w), p.opt, Communicator(MPI_COMM_WORLD));
-    const Tensor<T> x = narrowed<T>(p.x);
+    const Tensor<T> x = converted<T>(p.x);
     headmix::Workspace<T> ws1, ws;
     Tensor<T> probs1, probs;
     const Tensor<T> want = one.forward(lsh_input(p, x), ws1, &probs1);
@@ -466,7 +405,7 @@ TYPED_TEST(HeadParallelLshTest, FromTensorsReadsOnlyItsShard) {
     put_linear(file, "attn.v", w.v);
     put_linear(file, "attn.o", w.o);
     if (w.rotations.rank() != 0) put(file, "attn.rotations", w.rotations);
-    const Tensor<T> x = narrowed<T>(p.x);
+    const Tensor<T> x = converted<T>(p.x);
     expect_loads_only_its_shard<HeadParallelLsh<T>>(w, p.opt, file, "attn.", {"o.bias", "rotations"}, lsh_input(p, x));
   });
 }

@@ -28,19 +28,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 using namespace headmix_test;
 using namespace headmix_mpi_test;
-using headmix::mpi::Communicator;
-using headmix::mpi::SequenceParallel;
-using headmix::mpi::SequenceParallelDcmha;
-using headmix::mpi::SequenceParallelMha;
-using headmix::mpi::SequenceSplit;
 
 constexpr Index kBatch = 2, kWidth = 8, kDk = 4, kDv = 3, kOut = 5;
 
@@ -161,9 +159,9 @@ headmix::DcmhaWeights<T> dcmha_weights(Rng& rng, Index groups, Index kv, Index r
   return w;
 }
 
-headmix::MhaOptions mha_options(Index H, Index Hkv) {
+headmix::MhaOptions mha_options(Index H, Index Hkv, bool causal = false) {
   headmix::MhaOptions o;
-  o.num_heads = H, o.num_kv_heads = Hkv == H ? 0 : Hkv;
+  o.num_heads = H, o.num_kv_heads = Hkv == H ? 0 : Hkv, o.causal = causal;
   return o;
 }
 headmix::CollabHeadOptions collab_options(Index H) {
@@ -210,22 +208,31 @@ struct Input {
   headmix::AttentionInput<T> mine(const Tensor<T>& shard) const { return {shard.batch(), {}, key_padding()}; }
 };
 
+// check(case, input, one-process layer, sharded layer, split, this rank's
+// shard) for every case: `layer` with the case's masking, inputs from
+// `seed` up.
+template <template <class> class Layer, class T, class Check>
+void for_each_case(const Layer<T>& layer, unsigned seed, Check check) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.name);
+    const auto opt = with_case(layer.options(), c);
+    const Input<T> in(c, seed++);
+    const Layer<T> one(layer.weights(), opt);
+    SequenceParallel<Layer, T> sharded(layer.weights(), opt, Communicator(MPI_COMM_WORLD));
+    const SequenceSplit split = sharded.split(in.length);
+    check(c, in, one, sharded, split, split.take(in.x.batch(), world_rank()));
+  }
+}
+
 // The sharded forward against the one-process layer for every case:
 // output rows (reassembled), a second call with the same workspace, the
 // counted bytes and the flops. Returns nothing; records the worst error.
-template <template <class> class Layer, class T, class Weights, class Options>
-void expect_equal_to_one_process(const Weights& w, const Options& base, unsigned seed) {
-  for (const Case& c : kCases) {
-    SCOPED_TRACE(c.name);
-    const Options opt = with_case(base, c);
-    const Input<T> in(c, seed++);
-    const Layer<T> one(w, opt);
+template <template <class> class Layer, class T>
+void expect_equal_to_one_process(const Layer<T>& layer, unsigned seed) {
+  for_each_case(layer, seed, [](const Case&, const Input<T>& in, const Layer<T>& one, auto& sharded,
+                                const SequenceSplit& split, const Tensor<T>& shard) {
     headmix::Workspace<T> ws1, ws;
     const Tensor<T> want = one.forward(in.whole(), ws1);
-
-    SequenceParallel<Layer, T> sharded(w, opt, Communicator(MPI_COMM_WORLD));
-    const SequenceSplit split = sharded.split(in.length);
-    const Tensor<T> shard = split.take(in.x.batch(), world_rank());
     Communicator& comm = sharded.communicator();
     comm.reset_bytes();
     const Tensor<T> got = sharded.forward(in.mine(shard), in.length, ws);
@@ -243,7 +250,7 @@ void expect_equal_to_one_process(const Weights& w, const Options& base, unsigned
     const headmix::FlopCount f = sharded.flops(kBatch, in.length), f1 = one.flops(kBatch, in.length, in.length);
     EXPECT_EQ(sum_over_ranks(f.attention_macs), f1.attention_macs);
     EXPECT_GE(sum_over_ranks(f.projection_macs), f1.projection_macs);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -251,51 +258,90 @@ void expect_equal_to_one_process(const Weights& w, const Options& base, unsigned
 
 HEADMIX_TYPED_OVER_SCALARS(SequenceParallelTest);
 
-TYPED_TEST(SequenceParallelTest, MhaEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(100);
-  expect_equal_to_one_process<headmix::Mha, T>(mha_weights<T>(rng, 4, 4, true), mha_options(4, 4), 1000);
+// ---------------------------------------------------------------------------
+// The layer setups the output and probs tests shard, each in float and
+// double: suites typed over Row<T, i>, row i of a table.
+
+enum class Kind { mha, collab, talking_heads, dcmha };
+
+struct Setup {
+  const char* name;
+  Kind kind;
+  Index a, b, c;   // mha: H, Hkv; collab: H, R; dcmha: groups, kv, rank
+  bool flag;       // mha: o; collab: LayerNorm; dcmha: static_w
+  bool tanh_only;  // dcmha: the tanh GELU, no post-compose
+  unsigned seed;   // the weights'; the inputs' count up from 10 · seed
+};
+
+// DCMHA: two head groups, K/V for 2 of the 4 heads, the static terms; then
+// one group (Compose over all heads), rank 2, the tanh GELU, one branch off.
+const Setup kEqualSetups[] = {
+    {"Mha", Kind::mha, 4, 4, 0, true, false, 100},
+    {"GroupedQueryMhaWithoutO", Kind::mha, 4, 2, 0, false, false, 101},
+    {"CollabHead", Kind::collab, 3, 6, 0, false, false, 102},
+    {"CollabHeadWithLayerNorm", Kind::collab, 2, 4, 0, true, false, 103},
+    {"TalkingHeads", Kind::talking_heads, 0, 0, 0, false, false, 104},
+    {"GroupedDcmha", Kind::dcmha, 2, 2, 1, true, false, 106},
+    {"DcmhaOneGroup", Kind::dcmha, 1, 4, 2, false, true, 107},
+};
+const Setup kProbsSetups[] = {
+    {"Mha", Kind::mha, 4, 2, 0, true, false, 110},
+    {"CollabHead", Kind::collab, 3, 6, 0, false, false, 111},
+    {"TalkingHeads", Kind::talking_heads, 0, 0, 0, false, false, 112},
+    {"Dcmha", Kind::dcmha, 2, 2, 1, true, false, 113},
+};
+
+// f(setup s's one-process layer in T), its weights drawn from s.seed.
+template <class T, class F>
+void with_layer(const Setup& s, F f) {
+  Rng rng(s.seed);
+  switch (s.kind) {
+    case Kind::mha:
+      return f(headmix::Mha<T>(mha_weights<T>(rng, s.a, s.b, s.flag), mha_options(s.a, s.b)));
+    case Kind::collab:
+      return f(headmix::CollabHead<T>(collab_weights<T>(rng, s.a, s.b, s.flag), collab_options(s.a)));
+    case Kind::talking_heads:
+      return f(headmix::TalkingHeads<T>(talking_heads_weights<T>(rng), talking_heads_options()));
+    case Kind::dcmha: {
+      headmix::DcmhaOptions opt = dcmha_options(s.a, s.b, s.c, s.flag);
+      if (s.tanh_only) opt.gelu = headmix::DcmhaGelu::tanh, opt.use_post = false;
+      return f(headmix::Dcmha<T>(dcmha_weights<T>(rng, s.a, s.b, s.c, s.flag), opt));
+    }
+  }
 }
 
-TYPED_TEST(SequenceParallelTest, GroupedQueryMhaWithoutOEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(101);
-  expect_equal_to_one_process<headmix::Mha, T>(mha_weights<T>(rng, 4, 2, false), mha_options(4, 2), 1100);
-}
+// Row i of a setups table, in T.
+template <class T, std::size_t I>
+struct Row {
+  using Scalar = T;
+  static constexpr std::size_t row = I;
+};
+template <class Is>
+struct RowsOf;
+template <std::size_t... I>
+struct RowsOf<std::index_sequence<I...>> {
+  using type = ::testing::Types<Row<float, I>..., Row<double, I>...>;
+};
+// Test names: the setup's name and the scalar.
+template <const auto& Table>
+struct SetupName {
+  template <class R>
+  static std::string GetName(int) {
+    return std::string(Table[R::row].name) + (std::is_same_v<typename R::Scalar, float> ? "_float" : "_double");
+  }
+};
+// A suite typed over every row of `table` in both scalars.
+#define SETUP_TYPED_SUITE(Name, table)                                                         \
+  template <class R>                                                                           \
+  class Name : public ::testing::Test {};                                                      \
+  using Name##Rows = RowsOf<std::make_index_sequence<std::size(table)>>::type;                 \
+  TYPED_TEST_SUITE(Name, Name##Rows, SetupName<table>)
 
-TYPED_TEST(SequenceParallelTest, CollabHeadEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(102);
-  expect_equal_to_one_process<headmix::CollabHead, T>(collab_weights<T>(rng, 3, 6, false), collab_options(3), 1200);
-}
+SETUP_TYPED_SUITE(SequenceParallelEqualTest, kEqualSetups);
 
-TYPED_TEST(SequenceParallelTest, CollabHeadWithLayerNormEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(103);
-  expect_equal_to_one_process<headmix::CollabHead, T>(collab_weights<T>(rng, 2, 4, true), collab_options(2), 1300);
-}
-
-TYPED_TEST(SequenceParallelTest, TalkingHeadsEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(104);
-  expect_equal_to_one_process<headmix::TalkingHeads, T>(talking_heads_weights<T>(rng), talking_heads_options(), 1400);
-}
-
-// Two head groups, K/V for 2 of the 4 heads, the static terms; then one
-// group (Compose over all heads), rank 2, the tanh GELU, one branch off.
-TYPED_TEST(SequenceParallelTest, GroupedDcmhaEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(106);
-  expect_equal_to_one_process<headmix::Dcmha, T>(dcmha_weights<T>(rng, 2, 2, 1, true), dcmha_options(2, 2, 1, true),
-                                                 1600);
-}
-
-TYPED_TEST(SequenceParallelTest, DcmhaOneGroupEqualsOneProcess) {
-  using T = TypeParam;
-  Rng rng(107);
-  headmix::DcmhaOptions opt = dcmha_options(1, 4, 2, false);
-  opt.gelu = headmix::DcmhaGelu::tanh, opt.use_post = false;
-  expect_equal_to_one_process<headmix::Dcmha, T>(dcmha_weights<T>(rng, 1, 4, 2, false), opt, 1700);
+TYPED_TEST(SequenceParallelEqualTest, OneProcess) {
+  const Setup& s = kEqualSetups[TypeParam::row];
+  with_layer<typename TypeParam::Scalar>(s, [&](const auto& one) { expect_equal_to_one_process(one, 10 * s.seed); });
 }
 
 // Against the naive double loops too: causal, key padding, grouped-query.
@@ -364,15 +410,11 @@ TEST(SequenceSplit, ShardsPartitionTheSequence) {
 TEST(SequenceParallelFlops, ZigZagBalancesCausalWork) {
   Rng rng(200);
   const auto w = mha_weights<double>(rng, 2, 2, true);
-  headmix::MhaOptions opt = mha_options(2, 2);
-  opt.causal = true;
+  const headmix::MhaOptions opt = mha_options(2, 2, true);
   const SequenceParallelMha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
   const Index T_ = 8 * world_size();
   const long long mine = sharded.flops(kBatch, T_).attention_macs;
-  long long least = mine, most = mine;
-  MPI_Allreduce(MPI_IN_PLACE, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
-  EXPECT_EQ(least, most);
+  expect_same_across_ranks(mine);
   const headmix::Mha<double> one(w, opt);
   EXPECT_EQ(mine * world_size(), one.flops(kBatch, T_, T_).attention_macs);
 }
@@ -397,10 +439,7 @@ TEST(SequenceParallelFlops, DcmhaCountsKeySideWorkPerRank) {
   opt.causal = true;
   const SequenceParallelDcmha<double> zigzag(w, opt, Communicator(MPI_COMM_WORLD));
   const long long mine = zigzag.flops(kBatch, T_).attention_macs;
-  long long least = mine, most = mine;
-  MPI_Allreduce(MPI_IN_PLACE, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
-  EXPECT_EQ(least, most);
+  expect_same_across_ranks(mine);
   EXPECT_EQ(mine * world_size(), headmix::Dcmha<double>(w, opt).flops(kBatch, T_, T_).attention_macs);
 }
 
@@ -410,10 +449,8 @@ TEST(SequenceParallelBytes, CommBytesByHand) {
   const int P = world_size();
   Rng rng(201);
   const auto w = mha_weights<float>(rng, 2, 2, true);
-  headmix::MhaOptions opt = mha_options(2, 2);
-  const SequenceParallelMha<float> contiguous(w, opt, Communicator(MPI_COMM_WORLD));
-  opt.causal = true;
-  const SequenceParallelMha<float> zigzag(w, opt, Communicator(MPI_COMM_WORLD));
+  const SequenceParallelMha<float> contiguous(w, mha_options(2, 2), Communicator(MPI_COMM_WORLD));
+  const SequenceParallelMha<float> zigzag(w, mha_options(2, 2, true), Communicator(MPI_COMM_WORLD));
   // T = 4P+1: one contiguous shard has 5 rows, the others 4; one of the 2P
   // zig-zag chunks has 3 rows, the others 2, so one rank holds 5.
   const Index T_ = 4 * P + 1;
@@ -426,19 +463,39 @@ TEST(SequenceParallelBytes, CommBytesByHand) {
 // ---------------------------------------------------------------------------
 // Errors: each on every rank, no rank left in a collective.
 
-TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
-  Rng rng(300);
-  const auto w = mha_weights<double>(rng, 2, 2, true);
-  const Case& c = kCases[2];  // zig-zag, key padding
-  const headmix::MhaOptions opt = with_case(mha_options(2, 2), c);
-  const SequenceParallelMha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
-  const Input<double> in(c, 301);
-  const SequenceSplit split = sharded.split(in.length);
-  const int me = world_rank(), last = world_size() - 1;
-  const Tensor<double> shard = split.take(in.x.batch(), me);
+// The error tests' call: a sequence-parallel layer, case `c`'s input (from
+// `seed`), this rank's shard of it and a buffer for this rank's output rows.
+template <template <class> class Layer>
+struct ShardedCall {
+  const SequenceParallel<Layer, double> sharded;
+  const Input<double> in;
+  const SequenceSplit split;
+  const Tensor<double> shard;
+  Tensor<double> out;
   headmix::Workspace<double> ws;
+
+  template <class Weights, class Options>
+  ShardedCall(const Weights& w, const Options& opt, const Case& c, unsigned seed)
+      : sharded(w, opt, Communicator(MPI_COMM_WORLD)),
+        in(c, seed),
+        split(sharded.split(in.length)),
+        shard(split.take(in.x.batch(), world_rank())),
+        out({kBatch, split.rows(world_rank()), kOut}) {}
+};
+
+// MHA with 2 heads, weights from `seed`, on the zig-zag case with key
+// padding, input from seed + 1.
+ShardedCall<headmix::Mha> error_test_mha(unsigned seed) {
+  Rng rng(seed);
+  const Case& c = kCases[2];
+  return ShardedCall<headmix::Mha>(mha_weights<double>(rng, 2, 2, true), with_case(mha_options(2, 2), c), c, seed + 1);
+}
+
+TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
+  ShardedCall<headmix::Mha> call = error_test_mha(300);
+  auto& [sharded, in, split, shard, out, ws] = call;
+  const int me = world_rank(), last = world_size() - 1;
   const Tensor<double> want = sharded.forward(in.mine(shard), in.length, ws);
-  Tensor<double> out({kBatch, split.rows(me), kOut});
 
   // The last rank passes one row more than its shard.
   const Tensor<double> longer({kBatch, split.rows(last) + 1, kWidth});
@@ -491,22 +548,10 @@ TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
       "shape_error", -1, [&] { sharded.forward(bad, in.length, (me == last ? fewer : out).batch(), ws); },
       {"batch from " + std::to_string(kBatch - 1) + " to " + std::to_string(kBatch)});
 
-  // Each rank's shard fits the length it passes, but the last rank's
-  // sequence is P positions longer.
-  const Index longer_length = in.length + world_size();
+  // The last rank's sequence is P positions longer.
   Rng other_rng(303);
-  const Tensor<double> other = random_tensor<double>(other_rng, {kBatch, longer_length, kWidth}, 1.0);
-  const Tensor<double> other_shard = sharded.split(longer_length).take(other.batch(), me);
-  Tensor<double> other_out({kBatch, other_shard.dim(1), kOut});
-  expect_error_everywhere(
-      "shape_error", -1,
-      [&] {
-        if (me == last)
-          sharded.forward({other_shard.batch(), {}, {}}, longer_length, other_out.batch(), ws);
-        else
-          sharded.forward({shard.batch(), {}, {}}, in.length, out.batch(), ws);
-      },
-      {"sequence length from " + std::to_string(in.length) + " to " + std::to_string(longer_length)});
+  const Tensor<double> other = random_tensor<double>(other_rng, {kBatch, in.length + world_size(), kWidth}, 1.0);
+  expect_longer_sequence_on_last_rank_throws(sharded, shard, in.length, out, other, ws);
 
   // The layer still works on every rank.
   sharded.forward(in.mine(shard), in.length, out.batch(), ws);
@@ -516,8 +561,7 @@ TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
 TEST(SequenceParallelErrors, BadWeightsOrOptionsThrowOnEveryRank) {
   Rng rng(302);
   const auto w = mha_weights<double>(rng, 2, 2, true);
-  headmix::MhaOptions opt = mha_options(2, 2);
-  opt.causal = true;
+  headmix::MhaOptions opt = mha_options(2, 2, true);
   opt.causal_offset = 3;  // the split sets the offsets
   expect_error_everywhere(
       "shape_error", -1, [&] { SequenceParallelMha<double>(w, opt, Communicator(MPI_COMM_WORLD)); },
@@ -567,13 +611,9 @@ TEST(SequenceParallelErrors, DcmhaBadInputThrowsOnEveryRank) {
       "shape_error", -1, [&] { SequenceParallelDcmha<double>(narrow, opt, Communicator(MPI_COMM_WORLD)); },
       {"[dcmha] dc.dd"});
 
-  const SequenceParallelDcmha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
-  const Input<double> in(kCases[2], 305);
-  const SequenceSplit split = sharded.split(in.length);
+  ShardedCall<headmix::Dcmha> call(w, opt, kCases[2], 305);
+  auto& [sharded, in, split, shard, out, ws] = call;
   const int me = world_rank(), last = world_size() - 1;
-  const Tensor<double> shard = split.take(in.x.batch(), me);
-  Tensor<double> out({kBatch, split.rows(me), kOut});
-  headmix::Workspace<double> ws;
   // The last rank's shard is one column narrow.
   const Tensor<double> narrow_shard({kBatch, split.rows(last), kWidth - 1});
   auto bad = in.mine(shard);
@@ -602,20 +642,13 @@ TEST(SequenceParallelSummary, WorstErrors) {
 // case: contiguous and zig-zag, key padding, a window of 3, an empty
 // chunk, T = 1 (ranks without rows).
 
-template <template <class> class Layer, class T, class Weights, class Options>
-void expect_probs_equal_to_one_process(const Weights& w, const Options& base, unsigned seed) {
-  for (const Case& c : kCases) {
-    SCOPED_TRACE(c.name);
-    const Options opt = with_case(base, c);
-    const Input<T> in(c, seed++);
-    const Layer<T> one(w, opt);
+template <template <class> class Layer, class T>
+void expect_probs_equal_to_one_process(const Layer<T>& layer, unsigned seed) {
+  for_each_case(layer, seed, [](const Case& c, const Input<T>& in, const Layer<T>& one, auto& sharded,
+                                const SequenceSplit& split, const Tensor<T>& shard) {
     headmix::Workspace<T> ws1, ws;
     Tensor<T> want;
     const Tensor<T> want_out = one.forward(in.whole(), ws1, &want);
-
-    SequenceParallel<Layer, T> sharded(w, opt, Communicator(MPI_COMM_WORLD));
-    const SequenceSplit split = sharded.split(in.length);
-    const Tensor<T> shard = split.take(in.x.batch(), world_rank());
     Tensor<T> probs;
     const Tensor<T> got = forward_with_probs(sharded, in.mine(shard), in.length, ws, probs);
     EXPECT_EQ(want.dim(1), sharded.probs_heads());
@@ -625,35 +658,16 @@ void expect_probs_equal_to_one_process(const Weights& w, const Options& base, un
       const bool hidden = c.causal && (j > i || (c.window > 0 && j <= i - c.window));
       return hidden || (!in.padding.empty() && in.padding[static_cast<std::size_t>(b * in.length + j)] != 0);
     });
-  }
+  });
 }
 
-TYPED_TEST(SequenceParallelTest, MhaProbsEqualOneProcess) {
-  using T = TypeParam;
-  Rng rng(110);
-  expect_probs_equal_to_one_process<headmix::Mha, T>(mha_weights<T>(rng, 4, 2, true), mha_options(4, 2), 2000);
-}
+// Every layer setup's probs (kProbsSetups); TalkingHeads' are the
+// post-mixed ones, over h_v = 2 heads.
+SETUP_TYPED_SUITE(SequenceParallelProbsTest, kProbsSetups);
 
-TYPED_TEST(SequenceParallelTest, CollabHeadProbsEqualOneProcess) {
-  using T = TypeParam;
-  Rng rng(111);
-  expect_probs_equal_to_one_process<headmix::CollabHead, T>(collab_weights<T>(rng, 3, 6, false), collab_options(3),
-                                                            2100);
-}
-
-// The weights are the post-mixed ones, over h_v = 2 heads.
-TYPED_TEST(SequenceParallelTest, TalkingHeadsProbsEqualOneProcess) {
-  using T = TypeParam;
-  Rng rng(112);
-  expect_probs_equal_to_one_process<headmix::TalkingHeads, T>(talking_heads_weights<T>(rng), talking_heads_options(),
-                                                              2200);
-}
-
-TYPED_TEST(SequenceParallelTest, DcmhaProbsEqualOneProcess) {
-  using T = TypeParam;
-  Rng rng(113);
-  expect_probs_equal_to_one_process<headmix::Dcmha, T>(dcmha_weights<T>(rng, 2, 2, 1, true),
-                                                       dcmha_options(2, 2, 1, true), 2300);
+TYPED_TEST(SequenceParallelProbsTest, EqualOneProcess) {
+  const Setup& s = kProbsSetups[TypeParam::row];
+  with_layer<typename TypeParam::Scalar>(s, [&](const auto& one) { expect_probs_equal_to_one_process(one, 10 * s.seed); });
 }
 
 // probs_comm_bytes against a count by hand: B · H · max_rows · T values.
@@ -668,9 +682,7 @@ TEST(SequenceParallelBytes, ProbsCommBytesByHand) {
   EXPECT_EQ(contiguous.probs_heads(), 2);  // h_v
   EXPECT_EQ(contiguous.probs_comm_bytes(kBatch, T_), static_cast<std::uint64_t>(kBatch * 2 * 5 * T_ * 8));
   const auto mha = mha_weights<float>(rng, 4, 2, true);
-  headmix::MhaOptions mopt = mha_options(4, 2);
-  mopt.causal = true;
-  const SequenceParallelMha<float> zigzag(mha, mopt, Communicator(MPI_COMM_WORLD));
+  const SequenceParallelMha<float> zigzag(mha, mha_options(4, 2, true), Communicator(MPI_COMM_WORLD));
   EXPECT_EQ(zigzag.probs_heads(), 4);  // query heads, not the 2 K/V heads
   EXPECT_EQ(zigzag.probs_comm_bytes(kBatch, T_), static_cast<std::uint64_t>(kBatch * 4 * 5 * T_ * 4));
   EXPECT_EQ(zigzag.probs_comm_bytes(1, 1), 4 * 4u);  // one row on one rank, padded alike on the others
@@ -679,16 +691,8 @@ TEST(SequenceParallelBytes, ProbsCommBytesByHand) {
 // probs asked for on one rank only: the same error on every rank, no rank
 // left in the weights' gather; then every rank asking works.
 TEST(SequenceParallelErrors, ProbsOnOneRankThrowsOnEveryRank) {
-  Rng rng(306);
-  const auto w = mha_weights<double>(rng, 2, 2, true);
-  const Case& c = kCases[2];  // zig-zag, key padding
-  const headmix::MhaOptions opt = with_case(mha_options(2, 2), c);
-  const SequenceParallelMha<double> sharded(w, opt, Communicator(MPI_COMM_WORLD));
-  const Input<double> in(c, 307);
-  const SequenceSplit split = sharded.split(in.length);
-  const Tensor<double> shard = split.take(in.x.batch(), world_rank());
-  Tensor<double> out({kBatch, split.rows(world_rank()), kOut});
-  headmix::Workspace<double> ws;
+  ShardedCall<headmix::Mha> call = error_test_mha(306);
+  auto& [sharded, in, split, shard, out, ws] = call;
   expect_probs_on_one_rank_throw(sharded, in.mine(shard), in.length, out.batch(), ws);
   Tensor<double> probs;
   sharded.forward(in.mine(shard), in.length, out.batch(), ws, &probs);

@@ -33,9 +33,6 @@ namespace {
 
 using namespace headmix_test;
 using namespace headmix_mpi_test;
-using headmix::mpi::Communicator;
-using headmix::mpi::SequenceParallelLsh;
-using headmix::mpi::SequenceSplit;
 using lsh_case::Problem;
 using lsh_case::Shape;
 
@@ -132,22 +129,28 @@ Replicated replicated(const Problem<double>& p) {
 
 HEADMIX_TYPED_OVER_SCALARS(SequenceParallelLshTest);
 
+// check(case, problem, one-process layer, sequence-parallel layer, this
+// rank's input) for every case, seeds counting up from `seed`.
+template <class T, class Check>
+void for_each_lsh_case(unsigned seed, Check check) {
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const Problem<T> p = problem<T>(c, seed++);
+    SequenceParallelLsh<T> sharded(p.w, p.options(), Communicator(MPI_COMM_WORLD));
+    const Tensor<T> shard = sharded.split(c.length()).take(p.input().query, world_rank());
+    const headmix::AttentionInput<T> mine{shard.batch(), {}, p.input().key_padding};
+    check(c, p, p.layer(), sharded, mine);
+  }
+}
+
 // Output rows (reassembled), a second call with the same workspace, the
 // counted bytes, per case.
 TYPED_TEST(SequenceParallelLshTest, EqualsOneProcess) {
   using T = TypeParam;
-  unsigned seed = 500;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    const Problem<T> p = problem<T>(c, seed++);
+  for_each_lsh_case<T>(500, [](const Case& c, const Problem<T>& p, const auto& one, auto& sharded, const auto& mine) {
     headmix::Workspace<T> ws1, ws;
-    const headmix::Lsh<T> one = p.layer();
     const Tensor<T> want = one.forward(p.input(), ws1);
-
-    SequenceParallelLsh<T> sharded(p.w, p.options(), Communicator(MPI_COMM_WORLD));
     const SequenceSplit split = sharded.split(c.length());
-    const Tensor<T> shard = split.take(p.input().query, world_rank());
-    const headmix::AttentionInput<T> mine{shard.batch(), {}, p.input().key_padding};
     Communicator& comm = sharded.communicator();
     comm.reset_bytes();
     const Tensor<T> got = sharded.forward(mine, c.length(), ws);
@@ -161,7 +164,7 @@ TYPED_TEST(SequenceParallelLshTest, EqualsOneProcess) {
     r.cases += 1;
     r.identical += bit_identical("", whole, want) ? 1 : 0;
     EXPECT_TRUE(bit_identical("a second call, same workspace", sharded.forward(mine, c.length(), ws), got));
-  }
+  });
 }
 
 // Work per rank: its rows' scores, readout, round merge and o, plus the
@@ -189,10 +192,8 @@ TEST(SequenceParallelLshFlops, RanksAddUpToOneProcess) {
   Case even{"T = 8P", 8, 0, shape(4, 2, true, 0)};  // Tp = T: no autopad rows for the last rank
   const Problem<double> p = problem<double>(even, 650);
   const SequenceParallelLsh<double> sharded(p.w, p.options(), Communicator(MPI_COMM_WORLD));
-  long long mine = sharded.flops(p.s.B, even.length()).attention_macs, least = mine, most = mine;
-  MPI_Allreduce(MPI_IN_PLACE, &least, 1, MPI_LONG_LONG, MPI_MIN, MPI_COMM_WORLD);
-  MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_LONG_LONG, MPI_MAX, MPI_COMM_WORLD);
-  EXPECT_EQ(least, most);
+  const long long mine = sharded.flops(p.s.B, even.length()).attention_macs;
+  expect_same_across_ranks(mine);
   const long long attention = p.layer().flops(p.s.B, even.length(), even.length()).attention_macs;
   EXPECT_EQ((mine - replicated(p).attention) * world_size(), attention - replicated(p).attention);
 }
@@ -277,27 +278,18 @@ TEST(SequenceParallelLshErrors, BadCallOnOneRankThrowsOnEveryRank) {
       "shape_error", -1, [&] { sharded.forward(bad, length, (me == last ? fewer : out).batch(), ws); },
       {"batch from " + std::to_string(B - 1) + " to " + std::to_string(B)});
 
-  // Each rank's shard fits the length it passes, but the last rank's
-  // sequence is 2·bs·P positions longer (a longer padded length).
+  // The last rank's sequence is 2·bs·P positions longer (a longer padded
+  // length).
   const Index other_length = length + 2 * p.s.bs * world_size();
   Rng rng(801);
   const Tensor<double> other = random_tensor<double>(rng, {B, other_length, p.s.D}, 1.0);
-  const Tensor<double> other_shard = sharded.split(other_length).take(other.batch(), me);
-  Tensor<double> other_out({B, other_shard.dim(1), out_dim});
-  expect_error_everywhere(
-      "shape_error", -1,
-      [&] {
-        if (me == last)
-          sharded.forward({other_shard.batch(), {}, {}}, other_length, other_out.batch(), ws);
-        else
-          sharded.forward({shard.batch(), {}, {}}, length, out.batch(), ws);
-      },
-      {"sequence length from " + std::to_string(length) + " to " + std::to_string(other_length)});
+  const Tensor<double> other_shard = expect_longer_sequence_on_last_rank_throws(sharded, shard, length, out, other, ws);
 
   // With explicit rotations, the same longer sequence on every rank: they
   // have NB/2 = Tp/(2·bs) columns for `length`, not for it. The local
   // layer's check, agreed before the gather.
   const SequenceParallelLsh<double> fixed(p.w, p.options(), Communicator(MPI_COMM_WORLD));
+  Tensor<double> other_out({B, other_shard.dim(1), out_dim});
   expect_error_everywhere(
       "shape_error", -1,
       [&] { fixed.forward({other_shard.batch(), {}, {}}, other_length, other_out.batch(), ws); },
@@ -362,19 +354,11 @@ TEST(SequenceParallelLshSummary, Deviations) {
 // probs; comm_bytes() + probs_comm_bytes() handed to MPI.
 TYPED_TEST(SequenceParallelLshTest, ProbsEqualOneProcess) {
   using T = TypeParam;
-  unsigned seed = 1000;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
-    const Problem<T> p = problem<T>(c, seed++);
+  for_each_lsh_case<T>(1000, [](const Case& c, const Problem<T>& p, const auto& one, auto& sharded, const auto& mine) {
     headmix::Workspace<T> ws1, ws;
-    const headmix::Lsh<T> one = p.layer();
     Tensor<T> want;
     const Tensor<T> want_out = one.forward(p.input(), ws1, &want);
-
-    SequenceParallelLsh<T> sharded(p.w, p.options(), Communicator(MPI_COMM_WORLD));
     const SequenceSplit split = sharded.split(c.length());
-    const Tensor<T> shard = split.take(p.input().query, world_rank());
-    const headmix::AttentionInput<T> mine{shard.batch(), {}, p.input().key_padding};
     Tensor<T> probs;
     const Tensor<T> got = forward_with_probs(sharded, mine, c.length(), ws, probs);
     EXPECT_TRUE(all_close("this rank's output rows, with probs", got,
@@ -384,7 +368,7 @@ TYPED_TEST(SequenceParallelLshTest, ProbsEqualOneProcess) {
       const bool padded = !p.padding.empty() && p.padding[static_cast<std::size_t>(b * T_ + j)] != 0;
       return j != i && ((p.s.causal && j > i) || padded);
     });
-  }
+  });
 }
 
 // probs asked for on one rank only: the same error on every rank, no rank

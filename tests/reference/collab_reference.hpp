@@ -70,32 +70,14 @@ inline RefMhaResult collab_reference(const RefCollabWeights& w, const RefCollabO
     return m[static_cast<std::size_t>(r) * cols + c];
   };
 
-  // Shared projections, no bias.
-  std::vector<double> Qs(static_cast<std::size_t>(B) * T * R), Ks(static_cast<std::size_t>(B) * S * R);
-  for (int b = 0; b < B; ++b)
-    for (int i = 0; i < T; ++i)
-      for (int r = 0; r < R; ++r) {
-        double acc = 0;
-        for (int c = 0; c < D; ++c, ++res.projection_macs) acc += query.at(b, i, c) * at2(w.q, D, r, c);
-        Qs[(static_cast<std::size_t>(b) * T + i) * R + r] = acc;
-      }
-  for (int b = 0; b < B; ++b)
-    for (int j = 0; j < S; ++j)
-      for (int r = 0; r < R; ++r) {
-        double acc = 0;
-        for (int c = 0; c < Dkv; ++c, ++res.projection_macs) acc += xk.at(b, j, c) * at2(w.k, Dkv, r, c);
-        Ks[(static_cast<std::size_t>(b) * S + j) * R + r] = acc;
-      }
-  // Content bias, one value per key and head.
-  std::vector<double> cb(static_cast<std::size_t>(B) * S * H, 0.0);
-  if (!w.content_bias.empty())
-    for (int b = 0; b < B; ++b)
-      for (int j = 0; j < S; ++j)
-        for (int h = 0; h < H; ++h) {
-          double acc = 0;
-          for (int c = 0; c < Dkv; ++c, ++res.projection_macs) acc += xk.at(b, j, c) * at2(w.content_bias, Dkv, h, c);
-          cb[(static_cast<std::size_t>(b) * S + j) * H + h] = acc;
-        }
+  // Shared projections and the content bias (one value per key and head),
+  // none with a bias: Qs [B, T, R], Ks [B, S, R], cb [B, S, H].
+  auto no_bias = [](int out, int in, const std::vector<double>& weight) { return RefLinear{out, in, weight, {}}; };
+  const std::vector<double> Qs = detail::project(no_bias(R, D, w.q), query, res.projection_macs);
+  const std::vector<double> Ks = detail::project(no_bias(R, Dkv, w.k), xk, res.projection_macs);
+  const std::vector<double> cb = w.content_bias.empty()
+                                     ? std::vector<double>(static_cast<std::size_t>(B) * S * H, 0.0)
+                                     : detail::project(no_bias(H, Dkv, w.content_bias), xk, res.projection_macs);
   const std::vector<double> V = detail::project(w.v, xk, res.projection_macs);  // [B, S, H*dv]
 
   auto visible = [&](int i, int j) {
@@ -169,36 +151,38 @@ struct RefTensor3 {
   double at(int i, int j, int k) const { return data[(static_cast<std::size_t>(i) * J + j) * K + k]; }
 };
 
+// The [I, J, K] tensor whose entry (i, j, k) is entry(i, j, k).
+template <class Entry>
+RefTensor3 tensor3_of(int I, int J, int K, Entry entry) {
+  RefTensor3 t{I, J, K, std::vector<double>(static_cast<std::size_t>(I) * J * K, 0.0)};
+  for (int i = 0; i < I; ++i)
+    for (int j = 0; j < J; ++j)
+      for (int k = 0; k < K; ++k) t.data[(static_cast<std::size_t>(i) * J + j) * K + k] = entry(i, j, k);
+  return t;
+}
+
 /// T[q, h, k] = Σ_d WQ[h·Dk + d, q] · WK[h·Dk + d, k], from row-major WQ [H·Dk, D] and WK [H·Dk, Dkv]
 /// (collab.md: einsum("hdq,hdk->qhk")).
 inline RefTensor3 mha_bilinear_tensor(const std::vector<double>& wq, const std::vector<double>& wk, int H, int Dk,
                                       int D, int Dkv) {
-  RefTensor3 t{D, H, Dkv, std::vector<double>(static_cast<std::size_t>(D) * H * Dkv, 0.0)};
-  for (int q = 0; q < D; ++q)
-    for (int h = 0; h < H; ++h)
-      for (int k = 0; k < Dkv; ++k) {
-        double acc = 0;
-        for (int d = 0; d < Dk; ++d)
-          acc += wq[static_cast<std::size_t>(h * Dk + d) * D + q] * wk[static_cast<std::size_t>(h * Dk + d) * Dkv + k];
-        t.data[(static_cast<std::size_t>(q) * H + h) * Dkv + k] = acc;
-      }
-  return t;
+  return tensor3_of(D, H, Dkv, [&](int q, int h, int k) {
+    double acc = 0;
+    for (int d = 0; d < Dk; ++d)
+      acc += wq[static_cast<std::size_t>(h * Dk + d) * D + q] * wk[static_cast<std::size_t>(h * Dk + d) * Dkv + k];
+    return acc;
+  });
 }
 
 /// Σ_r A[i, r] B[j, r] C[k, r].
 inline RefTensor3 cp_reconstruct_reference(const std::vector<double>& a, const std::vector<double>& b,
                                            const std::vector<double>& c, int I, int J, int K, int R) {
-  RefTensor3 t{I, J, K, std::vector<double>(static_cast<std::size_t>(I) * J * K, 0.0)};
-  for (int i = 0; i < I; ++i)
-    for (int j = 0; j < J; ++j)
-      for (int k = 0; k < K; ++k) {
-        double acc = 0;
-        for (int r = 0; r < R; ++r)
-          acc += a[static_cast<std::size_t>(i) * R + r] * b[static_cast<std::size_t>(j) * R + r] *
-                 c[static_cast<std::size_t>(k) * R + r];
-        t.data[(static_cast<std::size_t>(i) * J + j) * K + k] = acc;
-      }
-  return t;
+  return tensor3_of(I, J, K, [&](int i, int j, int k) {
+    double acc = 0;
+    for (int r = 0; r < R; ++r)
+      acc += a[static_cast<std::size_t>(i) * R + r] * b[static_cast<std::size_t>(j) * R + r] *
+             c[static_cast<std::size_t>(k) * R + r];
+    return acc;
+  });
 }
 
 /// T_(n) T_(n)ᵀ: G[a, b] = Σ over the other two indices of T[.. a ..] · T[.. b ..], row-major [dim, dim].

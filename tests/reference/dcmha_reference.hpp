@@ -259,17 +259,20 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
           }
           at(L, h, t, s) = scale * dot;
         }
+    // Composes `a` (stage 0: pre, 1: post) in place at every visible (t, s), one group at a time.
     std::vector<double> z(M);
-    if (opt.use_pre)
+    auto compose_all = [&](int stage, std::vector<double>& a) {
       for (int t = 0; t < T; ++t)
         for (int s = 0; s < S; ++s) {
           if (!allowed(t, s)) continue;
           for (int g = 0; g < G; ++g) {
-            for (int m = 0; m < M; ++m) z[m] = at(L, g * M + m, t, s);
-            compose(0, t, s, g, z);
-            for (int m = 0; m < M; ++m) at(L, g * M + m, t, s) = z[m];
+            for (int m = 0; m < M; ++m) z[m] = at(a, g * M + m, t, s);
+            compose(stage, t, s, g, z);
+            for (int m = 0; m < M; ++m) at(a, g * M + m, t, s) = z[m];
           }
         }
+    };
+    if (opt.use_pre) compose_all(0, L);
     // Padding masks after the pre-compose (C never mixes positions).
     if (!padding.empty())
       for (int h = 0; h < H; ++h)
@@ -292,25 +295,10 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
         }
         for (int s = 0; s < S; ++s) at(P, h, t, s) /= sum;
       }
-    for (int h = 0; h < H; ++h)
-      for (int t = 0; t < T; ++t)
-        for (int s = 0; s < S; ++s)
-          res.softmax[((static_cast<std::size_t>(b) * H + h) * T + t) * S + s] = at(P, h, t, s);
+    std::copy(P.begin(), P.end(), res.softmax.begin() + static_cast<std::ptrdiff_t>(b) * H * T * S);  // [H, T, S]
 
-    if (opt.use_post)
-      for (int t = 0; t < T; ++t)
-        for (int s = 0; s < S; ++s) {
-          if (!allowed(t, s)) continue;
-          for (int g = 0; g < G; ++g) {
-            for (int m = 0; m < M; ++m) z[m] = at(P, g * M + m, t, s);
-            compose(1, t, s, g, z);
-            for (int m = 0; m < M; ++m) at(P, g * M + m, t, s) = z[m];
-          }
-        }
-    for (int h = 0; h < H; ++h)
-      for (int t = 0; t < T; ++t)
-        for (int s = 0; s < S; ++s)
-          res.probs[((static_cast<std::size_t>(b) * H + h) * T + t) * S + s] = at(P, h, t, s);
+    if (opt.use_post) compose_all(1, P);
+    std::copy(P.begin(), P.end(), res.probs.begin() + static_cast<std::ptrdiff_t>(b) * H * T * S);  // [H, T, S]
 
     // Readout over visible pairs, then the output projection.
     std::vector<double> ctx(static_cast<std::size_t>(T) * H * dv, 0.0);
