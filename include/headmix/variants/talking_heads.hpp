@@ -221,6 +221,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
                           opt_.keys_per_block()};
     const Index sk = stored_key_heads(), sv = stored_value_heads();
     const DotProductStages<T> stages{q.data(), k, v, T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
+    reserve_mix_scratch(ws, key_stride);
     run_dense_pipeline(Policy{cache ? stages.reading(*cache, ws, opt_.threads) : stages.packed(B, S, ws, opt_.threads),
                               w_.pre_softmax, w_.post_softmax, h, hv},
                        run, ws);
@@ -237,11 +238,15 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   // max(h_k, h, h_v) planes) and the fused stage's chunk of logits, which
   // Policy::mix_softmax keeps at max(kChunkBytes, one row of h heads).
   void reserve_step_scratch(Workspace<T>& ws, Index rows, Index keys) const {
-    const bool mixes = has_pre_mix() || has_post_mix();
     reserve_dense_tiles(ws, opt_.threads, tile_planes(), false, rows, keys);
+    reserve_mix_scratch(ws, keys);
+  }
+  // Every worker's chunk of logits, before the pipeline's tasks (any worker
+  // may take a tile, so none may size its scratch only when it first runs).
+  void reserve_mix_scratch(Workspace<T>& ws, Index keys) const {
+    if (!has_pre_mix() && !has_post_mix()) return;
     const Index chunk = std::max(kChunkBytes / static_cast<Index>(sizeof(T)), num_heads() * keys);
-    for (int w = 0; w < std::max(1, opt_.threads); ++w)
-      if (mixes) ws.local(w, slot::local_variant, chunk);
+    ws.reserve_local(std::max(1, opt_.threads), slot::local_variant, chunk);
   }
 
   // Dot-product scores over h_k heads and readout over h_v, with the two
