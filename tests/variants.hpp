@@ -154,10 +154,6 @@ struct VariantBase {
   static constexpr bool padding_isolated = true;
   // test_thread_safety: the layer has buckets() (LSH's hashing) to call too.
   static constexpr bool has_buckets = false;
-  // test_decoding: a forward on a sized workspace allocates nothing (false:
-  // a known gap, reported rather than hidden).
-  static constexpr bool sized_forward_allocation_free = true;
-
   // test_thread_safety: a setup's call of another size through its layer.
   template <class S>
   static S thread_safety_resized(S s, int B, int T, double pad_rate) {
@@ -1007,10 +1003,6 @@ struct Lsh : VariantBase {
   static constexpr bool cross_keys = false, has_block_rows = false, window = false, finite_scale = false;
   static constexpr bool probs_sum_to_one = false, padding_isolated = false, has_buckets = true;
   static constexpr bool non_finite_reorders = true;
-  // Known gap (session 9): each forward makes one heap allocation; by
-  // reading, the std::vector that check_extents builds to compare explicit
-  // rotations' shape (Lsh::rotation_shape). Not yet fixed.
-  static constexpr bool sized_forward_allocation_free = false;
   template <class T> using Layer = headmix::Lsh<T>;
   template <class T> using Problem = lsh_case::Problem<T>;
   using Shape = lsh_case::Shape;

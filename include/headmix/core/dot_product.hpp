@@ -143,11 +143,8 @@ struct DotProductStages {
     p.k = p.kt = p.v = nullptr;
     if (cache.is_half(0)) {
       p.k_half = cache.half_stream(0), p.v_half = cache.half_stream(1);
-      ws.reserve_workers(std::max(1, threads));
-      for (int w = 0; w < std::max(1, threads); ++w) {
-        ws.local(w, slot::widened_key, cache.capacity() * dk);
-        ws.local(w, slot::widened_value, cache.capacity() * dv);
-      }
+      ws.reserve_local(std::max(1, threads), slot::widened_key, cache.capacity() * dk);
+      ws.reserve_local(std::max(1, threads), slot::widened_value, cache.capacity() * dv);
     } else {
       p.kt = cache.stream_data(0), p.v = cache.stream_data(1);
     }

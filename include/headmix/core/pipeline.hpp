@@ -121,13 +121,11 @@ void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool secon
                          Index keys, Index key_block = 0, Index group = 1) {
   // Heads run alone over key blocks, except one query row (a step): all keys at once.
   const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys, one_row = key_block > 0 ? group * keys : 0;
-  ws.reserve_workers(std::max(1, threads));
-  for (int w = 0; w < std::max(1, threads); ++w) {
-    ws.local(w, slot::key_bias, keys);
-    ws.local(w, slot::row_stats, 2 * block_rows * group);
-    ws.local(w, slot::tile_a, std::max(std::max(planes * block_rows, group) * tile_keys, one_row));
-    if (second_tile) ws.local(w, slot::tile_b, planes * block_rows * tile_keys);
-  }
+  const int workers = std::max(1, threads);
+  ws.reserve_local(workers, slot::key_bias, keys);
+  ws.reserve_local(workers, slot::row_stats, 2 * block_rows * group);
+  ws.reserve_local(workers, slot::tile_a, std::max(std::max(planes * block_rows, group) * tile_keys, one_row));
+  if (second_tile) ws.reserve_local(workers, slot::tile_b, planes * block_rows * tile_keys);
 }
 
 namespace detail {

@@ -366,10 +366,9 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     for (const auto& sp : span_) widest = std::max(widest, sp.second);
     const int workers = std::max(1, opt_.threads);
     reserve_dense_tiles(ws, workers, 1, false, rows, keys, opt_.keys_per_block(), num_heads());
-    for (int w = 0; w < workers; ++w) {
-      ws.local(w, kMixedQuerySlot, std::max(rows * widest, num_heads() * shared_dim()));  // score_group: all heads' span
-      if (has_content_bias()) ws.local(w, kHeadBiasSlot, keys);
-    }
+    // score_group holds all heads' span at once
+    ws.reserve_local(workers, kMixedQuerySlot, std::max(rows * widest, num_heads() * shared_dim()));
+    if (has_content_bias()) ws.reserve_local(workers, kHeadBiasSlot, keys);
   }
 
   // The score and readout stages; no mixing over heads after the score.

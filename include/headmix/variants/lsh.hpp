@@ -161,8 +161,9 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     L.chunks = L.n_hashes * L.chunks_per_round;
     return L;
   }
-  /// The rotations' shape for a call on B sequences of length T.
-  std::vector<Index> rotation_shape(Index B, Index T_) const {
+  /// The rotations' shape for a call on B sequences of length T (a Shape,
+  /// so that checking explicit rotations allocates nothing).
+  Shape rotation_shape(Index B, Index T_) const {
     return {opt_.rotations_per_head ? B * rotation_heads() : 1, head_dim(), opt_.n_hashes, layout(T_).n_buckets / 2};
   }
   /// The heads the per-head rotations are indexed over (options().rotation_heads, or H).
