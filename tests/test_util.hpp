@@ -83,6 +83,13 @@ void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 #endif  // HEADMIX_TEST_COUNT_ALLOCATIONS
 
 #include "headmix/headmix.hpp"
+// Counting allocations needs Eigen's malloc check compiled into the layers
+// themselves, so such a program compiles its own instances (CMake does not
+// link it to the precompiled ones).
+#if defined(HEADMIX_TEST_PRECOMPILED_LAYERS) && defined(HEADMIX_TEST_COUNT_ALLOCATIONS)
+#error "a program that counts allocations must not use the precompiled layers (see tests/CMakeLists.txt)"
+#endif
+#include "precompiled_layers.hpp"
 
 #include <gtest/gtest.h>
 

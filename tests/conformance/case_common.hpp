@@ -4,6 +4,9 @@
 
 #include <headmix/headmix.hpp>
 #include <headmix/io/safetensors.hpp>
+
+#include "precompiled_layers.hpp"  // the layers compiled once, if CMake says so
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
