@@ -1,7 +1,8 @@
 // headmix::gemm, the product every attention path multiplies with (libxsmm's
 // JIT kernels when built with them, else Eigen's), against a naive double
 // loop: edge tiles, k past one slice, strided blocks, accumulation, empty
-// shapes; and bit-identical results wherever the operands sit in memory.
+// shapes; and bit-identical results wherever the operands sit in memory and
+// whether B is packed.
 #include <headmix/core/gemm.hpp>
 #include <headmix/core/linear.hpp>
 
@@ -11,6 +12,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace headmix;
@@ -55,28 +57,33 @@ struct Dims {
 const Dims kShapes[] = {{1, 1, 1},   {3, 70, 5},    {64, 64, 64}, {65, 129, 257}, {130, 64, 600},
                         {1, 300, 64}, {64, 1, 1024}, {7, 5, 513},  {200, 33, 3}};
 
+// B as it stands, or packed in panels (the projections' weights).
 TYPED_TEST(GemmTyped, MatchesNaiveProductOnStridedBlocks) {
   using T = TypeParam;
   std::mt19937 rng(7);
   for (const Dims d : kShapes)
-    for (bool accumulate : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << gemm_backend() << " m=" << d.m << " n=" << d.n << " k=" << d.k
-                                        << " accumulate=" << accumulate);
-      // Operands inside wider matrices, as a head's columns sit in Q or K.
-      Matrix<T> A = random_matrix<T>(d.m + 2, d.k + 3, rng), B = random_matrix<T>(d.k + 1, d.n + 5, rng);
-      Matrix<T> C = random_matrix<T>(d.m + 1, d.n + 4, rng);
-      const Matrix<T> before = C;
-      auto a = A.block(1, 2, d.m, d.k);
-      auto b = B.block(1, 3, d.k, d.n);
-      auto c = C.block(1, 1, d.m, d.n);
-      const Matrix<double> want = naive_product(a, b, c, accumulate);
-      gemm(a, b, c, accumulate);
-      expect_close<T>(c, want, d.k);
-      // Nothing outside the block is written.
-      Matrix<T> outside = C;
-      outside.block(1, 1, d.m, d.n) = before.block(1, 1, d.m, d.n);
-      EXPECT_EQ(outside, before);
-    }
+    for (bool accumulate : {false, true})
+      for (bool packed : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << gemm_backend() << " m=" << d.m << " n=" << d.n << " k=" << d.k
+                                          << " accumulate=" << accumulate << " packed=" << packed);
+        // Operands inside wider matrices, as a head's columns sit in Q or K.
+        Matrix<T> A = random_matrix<T>(d.m + 2, d.k + 3, rng), B = random_matrix<T>(d.k + 1, d.n + 5, rng);
+        Matrix<T> C = random_matrix<T>(d.m + 1, d.n + 4, rng);
+        const Matrix<T> before = C;
+        auto a = A.block(1, 2, d.m, d.k);
+        auto b = B.block(1, 3, d.k, d.n);
+        auto c = C.block(1, 1, d.m, d.n);
+        const Matrix<double> want = naive_product(a, b, c, accumulate);
+        if (packed)
+          gemm(a, PackedMatrix<T>(b), c, accumulate);
+        else
+          gemm(a, b, c, accumulate);
+        expect_close<T>(c, want, d.k);
+        // Nothing outside the block is written.
+        Matrix<T> outside = C;
+        outside.block(1, 1, d.m, d.n) = before.block(1, 1, d.m, d.n);
+        EXPECT_EQ(outside, before);
+      }
 }
 
 TYPED_TEST(GemmTyped, EmptyInnerDimensionZeroesOrKeeps) {
@@ -104,6 +111,23 @@ TYPED_TEST(GemmTyped, BitIdenticalAtAnyAddress) {
     a = a0, b = b0;
     gemm(a, b, c);
     EXPECT_EQ(Matrix<T>(c), c0) << "operands shifted by " << shift << " elements";
+  }
+}
+
+// Packing changes where B's tiles are read from, not the arithmetic: under
+// libxsmm the packed product has the unpacked one's bits, so preparing a
+// layer's weights changes no result. (On Eigen's GEMM a packed product runs
+// panel by panel, with Eigen's own blocking, and is only close.)
+TYPED_TEST(GemmTyped, PackedOperandGivesTheUnpackedBits) {
+  using T = TypeParam;
+  if (std::string(gemm_backend()) != "libxsmm") GTEST_SKIP() << "bit equality is libxsmm's tiling; this is Eigen's";
+  std::mt19937 rng(13);
+  for (const Dims d : kShapes) {
+    const Matrix<T> a = random_matrix<T>(d.m, d.k, rng), b = random_matrix<T>(d.k, d.n, rng);
+    Matrix<T> unpacked(d.m, d.n), packed(d.m, d.n);
+    gemm(a, b, unpacked);
+    gemm(a, PackedMatrix<T>(b), packed);
+    EXPECT_EQ(packed, unpacked) << "m=" << d.m << " n=" << d.n << " k=" << d.k;
   }
 }
 

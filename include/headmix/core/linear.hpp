@@ -20,16 +20,16 @@ template <class T>
 struct Linear {
   Matrix<T> weight;  ///< [out_features, in_features]
   Vector<T> bias;    ///< [out_features], or empty for no bias
-  /// weightᵀ [in_features, out_features] when the GEMM backend multiplies
-  /// untransposed operands only (libxsmm): made by prepare(), which the
-  /// layers call when built. Empty otherwise, and then unused.
-  Matrix<T> weight_t = {};
+  /// weightᵀ [in_features, out_features] packed for the GEMM backend when it
+  /// multiplies untransposed operands only (libxsmm): made by prepare(),
+  /// which the layers call when built. Empty otherwise, and then unused.
+  PackedMatrix<T> weight_packed = {};
 
   /// Lay out weightᵀ for the GEMM backend, once (call again after changing
   /// `weight`); a no-op on Eigen's GEMM, which reads weight transposed as is.
   void prepare() {
 #ifdef HEADMIX_USE_LIBXSMM
-    weight_t = weight.transpose();
+    weight_packed = PackedMatrix<T>(weight.transpose());
 #endif
   }
 
@@ -47,8 +47,8 @@ struct Linear {
   void apply(const Eigen::MatrixBase<In>& x, Eigen::MatrixBase<Out> const& y_) const {
     auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
     HEADMIX_ASSERT(x.cols() == in_features() && y.rows() == x.rows() && y.cols() == out_features());
-    if (weight_t.rows() == in_features() && weight_t.cols() == out_features())
-      gemm(x, weight_t, y);
+    if (weight_packed.rows() == in_features() && weight_packed.cols() == out_features())
+      gemm(x, weight_packed, y);
     else
       y.noalias() = x * weight.transpose();
     if (has_bias()) y.rowwise() += bias.transpose();
