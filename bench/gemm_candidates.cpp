@@ -61,9 +61,13 @@ using CMap = Eigen::Map<const RowMat, Eigen::Unaligned, Eigen::OuterStride<>>;
 using MMap = Eigen::Map<RowMat, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 constexpr Index kHeadDim = 64;
+constexpr Index kPanelCols = 64;  // the width of headmix's PackedMatrix panels (its libxsmm tile width)
 
 // One row-major product C[m x n] = A[m x k] op(B): op(B) = B [k x n] when
 // !trans_b, else B^T with B stored [n x k]. Leading dimensions in elements.
+// `b_panels` (libxsmm's candidate only): B [k x n] is stored as headmix's
+// PackedMatrix stores it, in panels of 64 columns, each row-major on its own
+// (ldb unused).
 struct GemmArgs {
   bool trans_b;
   Index m, n, k;
@@ -73,6 +77,7 @@ struct GemmArgs {
   Index ldb;
   float* c;
   Index ldc;
+  bool b_panels = false;
 };
 using GemmFn = std::function<void(const GemmArgs&)>;
 
@@ -151,11 +156,12 @@ void blis_gemm(const GemmArgs& g) {
 // column-major C^T[n x m], and C^T = op(B)^T A^T, whose operands are the
 // row-major buffers as they stand when !trans_b. So the candidate takes
 // only B [k x n]; the sweeps hand it K_h^T packed once per head (scores)
-// and W^T prepared at setup (projections: weights are constant, as a layer
-// would prepare them at load). Tiles: 64 x 64 of C^T, k in slices of 256
+// and W^T prepared at setup in 64-column panels (projections: weights are
+// constant, and headmix's Linear::prepare lays them out so when a layer is
+// built). Tiles: 64 x 64 of C^T, k in slices of 256
 // (beta 0 for the first slice, 1 after), each a JIT kernel from libxsmm's
 // registry.
-constexpr Index kXsmmTileM = 64, kXsmmTileN = 64, kXsmmTileK = 256;
+constexpr Index kXsmmTileM = kPanelCols, kXsmmTileN = 64, kXsmmTileK = 256;
 
 libxsmm_smmfunction xsmm_kernel(Index m, Index n, Index k, Index lda, Index ldb, Index ldc, bool accumulate) {
   using Key = std::tuple<Index, Index, Index, Index, Index, Index, bool>;
@@ -187,8 +193,10 @@ void xsmm_gemm(const GemmArgs& g) {
       const Index mi = std::min(kXsmmTileM, g.n - i0);
       for (Index p0 = 0; p0 < g.k; p0 += kXsmmTileK) {
         const Index kp = std::min(kXsmmTileK, g.k - p0);
-        const libxsmm_smmfunction f = xsmm_kernel(mi, nj, kp, g.ldb, g.lda, g.ldc, p0 > 0);
-        f(g.b + p0 * g.ldb + i0, g.a + j0 * g.lda + p0, g.c + j0 * g.ldc + i0);
+        const Index ldb = g.b_panels ? mi : g.ldb;
+        const float* bt = g.b_panels ? g.b + i0 * g.k + p0 * mi : g.b + p0 * g.ldb + i0;
+        const libxsmm_smmfunction f = xsmm_kernel(mi, nj, kp, ldb, g.lda, g.ldc, p0 > 0);
+        f(bt, g.a + j0 * g.lda + p0, g.c + j0 * g.ldc + i0);
       }
     }
   }
@@ -251,7 +259,7 @@ struct Buffers {
   Shape s;
   Index width = 0;  // H * 64
   std::vector<float> q, k, v, out, block, kt;  // block: the score / P block; kt: packed K_h^T
-  std::vector<float> x, w, wt, y;              // proj
+  std::vector<float> x, w, wt, wt_panels, y;   // proj
   explicit Buffers(const Shape& shape) : s(shape) {
     if (s.kind == Kind::proj) {
       x = random_buffer(s.T * s.D, 1);
@@ -259,6 +267,11 @@ struct Buffers {
       wt.resize(w.size());
       for (Index i = 0; i < 3 * s.D; ++i)
         for (Index j = 0; j < s.D; ++j) wt[std::size_t(j * 3 * s.D + i)] = w[std::size_t(i * s.D + j)];
+      for (Index i0 = 0; i0 < 3 * s.D; i0 += kPanelCols) {
+        const Index width = std::min(kPanelCols, 3 * s.D - i0);
+        for (Index j = 0; j < s.D; ++j)
+          for (Index i = 0; i < width; ++i) wt_panels.push_back(wt[std::size_t(j * 3 * s.D + i0 + i)]);
+      }
       y.assign(std::size_t(s.T * 3 * s.D), 0.0f);
       return;
     }
@@ -289,11 +302,14 @@ void pack_kt(Buffers& b, Index h) {
 }
 
 // One timed call of a candidate on a shape. `packed`: scores use K_h^T
-// packed once per head, projections the prepared W^T.
-void sweep(Buffers& b, const GemmFn& gemm, bool packed) {
+// packed once per head, projections the prepared W^T (`panels`: in
+// PackedMatrix's panels).
+void sweep(Buffers& b, const GemmFn& gemm, bool packed, bool panels) {
   const Shape& s = b.s;
   if (s.kind == Kind::proj) {
-    if (packed)
+    if (panels)
+      gemm({false, s.T, 3 * s.D, s.D, b.x.data(), s.D, b.wt_panels.data(), 0, b.y.data(), 3 * s.D, true});
+    else if (packed)
       gemm({false, s.T, 3 * s.D, s.D, b.x.data(), s.D, b.wt.data(), 3 * s.D, b.y.data(), 3 * s.D});
     else
       gemm({true, s.T, 3 * s.D, s.D, b.x.data(), s.D, b.w.data(), s.D, b.y.data(), 3 * s.D});
@@ -320,6 +336,8 @@ struct Candidate {
   GemmFn gemm;
   bool packed = false;               // scores on packed K_h^T, proj on W^T
   bool scores_only_packing = false;  // a packing variant: differs from its base only on scores
+  bool panels = false;               // proj on W^T in PackedMatrix's panels, as headmix's Linear reads it
+  void run(Buffers& b) const { sweep(b, gemm, packed, panels); }
 };
 
 std::vector<Candidate> candidates() {
@@ -333,7 +351,7 @@ std::vector<Candidate> candidates() {
   c.push_back({"BLIS", blis_gemm, false, false});
 #endif
 #ifdef HEADMIX_GEMM_XSMM
-  c.push_back({"libxsmm", xsmm_gemm, true, false});
+  c.push_back({"libxsmm", xsmm_gemm, true, false, true});
 #endif
   return c;
 }
@@ -350,7 +368,7 @@ bool runs_on(const Candidate& c, const Shape& s) {
 // reference's largest magnitude.
 std::pair<double, double> check(const Candidate& cand, const Shape& s) {
   Buffers b(s);
-  sweep(b, cand.gemm, cand.packed);
+  cand.run(b);
   double err = 0, scale = 0;
   auto note = [&](double ref, float got) {
     err = std::max(err, std::abs(ref - double(got)));
@@ -409,9 +427,9 @@ std::vector<Result> measure(const Shape& s, const std::vector<Candidate>& all, c
   std::vector<int> calls(cs.size());
   std::vector<std::vector<double>> secs(cs.size());
   for (std::size_t i = 0; i < cs.size(); ++i) {
-    sweep(b, cs[i]->gemm, cs[i]->packed);  // warm: JIT, workspaces, caches
+    cs[i]->run(b);  // warm: JIT, workspaces, caches
     const double t0 = headmix::bench::detail::cpu_now();
-    sweep(b, cs[i]->gemm, cs[i]->packed);
+    cs[i]->run(b);
     const double once = headmix::bench::detail::cpu_now() - t0;
     calls[i] = std::max(1, int(std::ceil(set.min_rep_seconds / std::max(once, 1e-9))));
   }
@@ -420,7 +438,7 @@ std::vector<Result> measure(const Shape& s, const std::vector<Candidate>& all, c
     for (std::size_t j = 0; j < cs.size(); ++j) {
       const std::size_t i = (j + std::size_t(round)) % cs.size();  // rotate who goes first
       const double t0 = headmix::bench::detail::cpu_now();
-      for (int c = 0; c < calls[i]; ++c) sweep(b, cs[i]->gemm, cs[i]->packed);
+      for (int c = 0; c < calls[i]; ++c) cs[i]->run(b);
       const double t = headmix::bench::detail::cpu_now() - t0;
       spent += t;
       secs[i].push_back(t / calls[i]);
