@@ -11,14 +11,15 @@
 // score head a reads K head a / k_group, value head c reads V head
 // c / v_group (groups of 1: one K/V head per head).
 //
-// A forward call packs K and V once (packed()): K_hᵀ as [dk, keys] per head,
-// the operand the GEMM multiplies untransposed, and V_h as [keys, dv], so
-// that every block's product reads contiguous runs. A decoding step reads
-// them from the cache (reading()), which stores them the same way, in
-// bfloat16 when the cache holds them so: a step's one query row multiplies
-// the stored rows as it reads them, widening each in registers; several
-// rows (grouped heads, a prompt) widen each block into worker scratch just
-// before its product.
+// A forward call packs K and V once (packed()): K_hᵀ as [dk, keys] per head
+// in Panels, the order the GEMM reads it, and V_h as [keys, dv], so that
+// every block's product reads contiguous runs. A decoding step reads them
+// from the cache (reading()), which stores K_hᵀ row by row (a step appends
+// a column to every row) and V_h alike, in bfloat16 when the cache holds
+// them so: a step's one query row reads the stored rows one at a time,
+// multiplying (and widening, in registers) as it goes; several rows
+// (grouped heads, a prompt) run GEMMs, on bfloat16 blocks widened into
+// worker scratch just before their product.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
@@ -41,6 +42,16 @@ inline float bfloat16_bits_to_float(std::uint16_t bits) {
   float value;
   std::memcpy(&value, &word, sizeof value);
   return value;
+}
+
+/// *p as a T, from a T or from bfloat16 bits.
+template <class T>
+T widened(const T* p) {
+  return *p;
+}
+template <class T>
+T widened(const std::uint16_t* p) {
+  return static_cast<T>(bfloat16_bits_to_float(*p));
 }
 
 inline const std::uint16_t* bfloat16_bits(const Eigen::bfloat16* in) { return reinterpret_cast<const std::uint16_t*>(in); }
@@ -85,8 +96,9 @@ struct DotProductStages {
   Index dk = 0, dv = 0;
   Index k_group = 1, v_group = 1;               ///< score heads per K head, value heads per V head
   bool head_major_kv = false;                   ///< K and V as [B, heads, key_stride, dim]
-  const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, kt_stride] (packed())
+  const T* kt = nullptr;                        ///< instead of k: K_hᵀ as [B, k_heads, dk, kt_stride]
   Index kt_stride = 0;                          ///< elements between rows of K_hᵀ (>= key_stride)
+  bool kt_panels = false;                       ///< each K_hᵀ [dk, kt_stride] stored as Panels (packed())
   using Half = Eigen::bfloat16;
   const Half* k_half = nullptr;                 ///< instead of kt and v, laid out alike in bfloat16 (reading())
   const Half* v_half = nullptr;
@@ -112,8 +124,9 @@ struct DotProductStages {
   /// These stages with K_hᵀ and V_h copied once into the head-major shared
   /// Workspace slots (slot::packed_key, slot::packed_value), for `batch`
   /// items of `keys` rows: a forward call's many query blocks then multiply
-  /// contiguous runs, not every interleaved row. Stages already head-major
-  /// (a cache's) are used as they are.
+  /// contiguous runs, not every interleaved row. K_hᵀ goes in Panels, the
+  /// order the GEMM reads it. Stages already head-major (a cache's) are used
+  /// as they are.
   DotProductStages packed(Index batch, Index keys, Workspace<T>& ws, int threads) const {
     if (head_major_kv) return *this;
     DotProductStages p = *this;
@@ -122,12 +135,12 @@ struct DotProductStages {
     parallel_for(batch * (k_heads + v_heads), threads, [&](Index task, int) {
       const Index b = task / (k_heads + v_heads), h = task % (k_heads + v_heads);
       if (h < k_heads)
-        MatrixMap<T>(kp + (b * k_heads + h) * dk * keys, dk, keys) = kv_rows(k, k_heads, dk, b, h, 0, keys).transpose();
+        Panels<T>::write(kv_rows(k, k_heads, dk, b, h, 0, keys).transpose(), kp + (b * k_heads + h) * dk * keys);
       else
         MatrixMap<T>(vp + (b * v_heads + h - k_heads) * keys * dv, keys, dv) =
             kv_rows(v, v_heads, dv, b, h - k_heads, 0, keys);
     });
-    p.k = nullptr, p.kt = kp, p.v = vp, p.key_stride = p.kt_stride = keys, p.head_major_kv = true;
+    p.k = nullptr, p.kt = kp, p.v = vp, p.key_stride = p.kt_stride = keys, p.head_major_kv = p.kt_panels = true;
     return p;
   }
 
@@ -139,7 +152,8 @@ struct DotProductStages {
   DotProductStages reading(const SequenceCache<T>& cache, Workspace<T>& ws, int threads) const {
     HEADMIX_ASSERT(cache.transposed(0));
     DotProductStages p = *this;
-    p.key_stride = cache.capacity(), p.kt_stride = cache.transposed_stride(), p.head_major_kv = true;
+    p.key_stride = cache.capacity(), p.kt_stride = cache.transposed_stride();
+    p.head_major_kv = true, p.kt_panels = false;
     p.k = p.kt = p.v = nullptr;
     if (cache.is_half(0)) {
       p.k_half = cache.half_stream(0), p.v_half = cache.half_stream(1);
@@ -183,22 +197,16 @@ struct DotProductStages {
   void multiply_by_keys(const Lhs& lhs, Index b, Index h, Index k0, Eigen::Map<Matrix<T>> out, Workspace<T>& ws,
                         int w) const {
     const Index cols = out.cols();
-    if (kt) {
+    if (kt && kt_panels) {
+      gemm(lhs, Panels<T>(kt + (b * k_heads + h) * dk * kt_stride, dk, kt_stride).middle_cols(k0, cols), out);
+    } else if (kt && lhs.rows() == 1) {
+      stream_key_rows(lhs, kt + (b * k_heads + h) * dk * kt_stride + k0, cols, out.data());
+    } else if (kt) {
       gemm(lhs, ConstStridedMap<T>(kt + (b * k_heads + h) * dk * kt_stride + k0, dk, cols,
                                    Eigen::OuterStride<>(kt_stride)),
            out);
-    } else if (k_half && lhs.rows() == 1) {
-      // One query (a step): one pass over the rows of K_hᵀ, each widened in
-      // registers, the tile row in L1 meanwhile. Several rows (a KV group's
-      // heads, a prompt) reuse each widened block: the GEMM below.
-      const Half* from = k_half + (b * k_heads + h) * dk * kt_stride + k0;
-      T* o = out.data();
-      std::fill_n(o, cols, T(0));
-      for (Index d = 0; d < dk; ++d) {
-        const T a = lhs(0, d);
-        const std::uint16_t* keys = bfloat16_bits(from + d * kt_stride);
-        for (Index c = 0; c < cols; ++c) o[c] += a * static_cast<T>(bfloat16_bits_to_float(keys[c]));
-      }
+    } else if (k_half && lhs.rows() == 1) {  // several rows reuse each widened block: the GEMM below
+      stream_key_rows(lhs, bfloat16_bits(k_half + (b * k_heads + h) * dk * kt_stride + k0), cols, out.data());
     } else if (k_half) {  // widened 64 KiB at a time, which the product then reads from L2
       const Index chunk = std::max<Index>(64, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / 64 * 64);
       T* keys_t = ws.local(w, slot::widened_key, dk * std::min(chunk, cols));
@@ -210,6 +218,22 @@ struct DotProductStages {
       }
     } else {
       out.noalias() = lhs * kv_rows(k, k_heads, dk, b, h, k0, cols).transpose();
+    }
+  }
+
+  // o [cols] = one query's scores over a cache's K_hᵀ rows at `from`: each
+  // row read whole in turn (widened in registers if bfloat16), the scores
+  // in L1 meanwhile. A GEMM tile would read 64 rows at once, more streams
+  // than the hardware prefetchers follow, and a step is bound by this read.
+  // (Several rows, a KV group's heads, stay on the GEMM: streaming them
+  // was slower, 0.53-0.55 of the read yardstick against 0.69-0.78.)
+  template <class Lhs, class Stored>
+  void stream_key_rows(const Lhs& lhs, const Stored* from, Index cols, T* o) const {
+    std::fill_n(o, cols, T(0));
+    for (Index d = 0; d < dk; ++d) {
+      const T a = lhs(0, d);
+      const Stored* keys = from + d * kt_stride;
+      for (Index c = 0; c < cols; ++c) o[c] += a * widened<T>(keys + c);
     }
   }
 

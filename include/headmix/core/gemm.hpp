@@ -6,8 +6,8 @@
 // measured at 1.3-2.1x Eigen's rate on headmix's shapes (README, "Which GEMM
 // library"). Without it, Eigen's own GEMM. libxsmm multiplies untransposed
 // column-major operands only, so callers hand `b` as stored [k, n]: K_hᵀ
-// is laid out once per call (DotProductStages::packed), and Wᵀ once, in
-// panels, when a layer is built (PackedMatrix, Linear::prepare).
+// is laid out once per call (DotProductStages::packed) and Wᵀ once when a
+// layer is built (PackedMatrix, Linear::prepare), both in Panels.
 //
 // Tiles of C and slices of k are fixed by the shapes alone, never by a
 // thread count or an address, so a product is bit-identical wherever it runs.
@@ -154,55 +154,141 @@ void gemm(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b, const Ei
     c.noalias() = a * b;
 }
 
-/// A right-hand operand B [k, n] laid out once in the order gemm() reads
-/// it: panels of 64 columns (the last one narrower), each stored row-major
-/// on its own. For operands multiplied many times, the projections' Wᵀ: a
-/// tile of B as it stands is 64-float pieces one whole row of B apart,
-/// which libxsmm's kernels read at 0.6x the rate of a packed panel on an
-/// Intel core (README, "Which GEMM library"). The kernels, tiles and k
-/// slices are those of gemm() on B itself, so the results are its bits.
+/// A right-hand operand B [k, n] in the order gemm() reads it: panels of
+/// 64 columns (the last one narrower), each stored row-major on its own.
+/// A tile of B as it stands is 64-float pieces a whole row of B apart,
+/// which libxsmm's kernels read at 0.6x the rate of a panel on an Intel
+/// core, and which alias in L1 when the row is a power of two long (README,
+/// "Which GEMM library"). The kernels, tiles and k slices are those of
+/// gemm() on B itself, so the results are its bits (for a view from a
+/// panel boundary: see gemm() on Panels).
+///
+/// Panels is a view of such storage: rows [first_row, first_row + rows) and
+/// the columns from `offset` on within the panel `data` points at (a
+/// block's visible keys, a head's span of shared dimensions). PackedMatrix
+/// owns such storage; a forward call lays out K_hᵀ so
+/// (DotProductStages::packed, CollabHead).
+template <class T>
+class Panels {
+ public:
+  static constexpr Index kWidth = detail::kGemmTileM;
+
+  /// Storage of [rows, stored_cols] at `data`, viewed whole.
+  Panels(const T* data, Index rows, Index stored_cols)
+      : data_(data), stored_rows_(rows), rows_(rows), cols_(stored_cols), stored_cols_(stored_cols) {}
+
+  /// Lay `b` out as panels in `out` (b.size() elements).
+  template <class B>
+  static void write(const Eigen::MatrixBase<B>& b, T* out) {
+    for (Index i0 = 0; i0 < b.cols(); i0 += kWidth) {
+      const Index w = std::min(kWidth, b.cols() - i0);
+      MatrixMap<T>(out + i0 * b.rows(), b.rows(), w) = b.middleCols(i0, w);
+    }
+  }
+
+  Index rows() const { return rows_; }
+  Index cols() const { return cols_; }
+  /// Columns from the panel boundary at or before the view's start.
+  Index offset() const { return offset_; }
+
+  /// Rows [r0, r0 + n) of this view.
+  Panels middle_rows(Index r0, Index n) const {
+    eigen_assert(r0 >= 0 && n >= 0 && r0 + n <= rows_);
+    Panels v = *this;
+    v.first_row_ += r0, v.rows_ = n;
+    return v;
+  }
+  /// Columns [c0, c0 + n) of this view.
+  Panels middle_cols(Index c0, Index n) const {
+    eigen_assert(c0 >= 0 && n >= 0 && c0 + n <= cols_);
+    const Index at = offset_ + c0, first = at / kWidth * kWidth;
+    Panels v = *this;
+    v.data_ += first * stored_rows_, v.stored_cols_ -= first, v.offset_ = at - first, v.cols_ = n;
+    return v;
+  }
+  /// The view's rows of the stored panel holding its columns [i0, ...), the
+  /// view aligned (offset() == 0) and i0 a multiple of 64: [rows, panel_cols(i0)].
+  ConstMatrixMap<T> panel(Index i0) const {
+    const Index w = panel_cols(i0);
+    return {data_ + i0 * stored_rows_ + first_row_ * w, rows_, w};
+  }
+  Index panel_cols(Index i0) const { return std::min(kWidth, stored_cols_ - i0); }
+  /// The view's first columns up to the next panel boundary, as a strided
+  /// block of the panel that holds them (empty when the view is aligned).
+  ConstStridedMap<T> lead() const {
+    const Index w = offset_ == 0 ? 0 : std::min(cols_, kWidth - offset_), ld = panel_cols(0);
+    return {data_ + first_row_ * ld + offset_, rows_, w, Eigen::OuterStride<>(ld)};
+  }
+
+ private:
+  const T* data_;       ///< the stored panel holding the view's first column
+  Index stored_rows_;   ///< rows of every stored panel
+  Index first_row_ = 0, rows_;
+  Index cols_;
+  Index stored_cols_;   ///< columns stored from data_ on, which fixes the last panel's width
+  Index offset_ = 0;
+};
+
+/// B laid out once as Panels: for operands multiplied many times, the
+/// projections' Wᵀ (Linear::prepare).
 template <class T>
 class PackedMatrix {
  public:
   PackedMatrix() = default;
   template <class B>
   explicit PackedMatrix(const Eigen::MatrixBase<B>& b) : rows_(b.rows()), cols_(b.cols()), data_(b.size()) {
-    for (Index i0 = 0; i0 < cols_; i0 += detail::kGemmTileM) {
-      const Index w = panel_cols(i0);
-      MatrixMap<T>(data_.data() + i0 * rows_, rows_, w) = b.middleCols(i0, w);
-    }
+    Panels<T>::write(b, data_.data());
   }
   Index rows() const { return rows_; }
   Index cols() const { return cols_; }
-  /// The panel holding columns [i0, i0 + panel_cols(i0)), i0 a multiple of 64.
-  ConstMatrixMap<T> panel(Index i0) const { return {data_.data() + i0 * rows_, rows_, panel_cols(i0)}; }
-  Index panel_cols(Index i0) const { return std::min(detail::kGemmTileM, cols_ - i0); }
+  Panels<T> panels() const { return {data_.data(), rows_, cols_}; }
 
  private:
   Index rows_ = 0, cols_ = 0;
   Vector<T> data_;
 };
 
-/// `c = a·b` (or `c += a·b`) with b packed: the same bits as gemm() on the
-/// unpacked b under libxsmm; panel by panel on Eigen's GEMM otherwise.
+namespace detail {
+// c (+)= a·b for a view b that starts at a panel boundary.
 template <class A, class T, class C>
-void gemm(const Eigen::MatrixBase<A>& a, const PackedMatrix<T>& b, const Eigen::MatrixBase<C>& c_,
-          bool accumulate = false) {
+void gemm_aligned_panels(const Eigen::MatrixBase<A>& a, const Panels<T>& b, C&& c, bool accumulate) {
+  eigen_assert(b.offset() == 0);
+  const auto tile = [&](Index p0, Index i0) {
+    const Index ld = b.panel_cols(i0);
+    return std::pair(b.panel(i0).data() + p0 * ld, ld);
+  };
+  if (xsmm_product(a, tile, c, accumulate)) return;
+  for (Index i0 = 0; i0 < b.cols(); i0 += Panels<T>::kWidth) {
+    const Index w = std::min(Panels<T>::kWidth, b.cols() - i0);
+    auto ci = c.middleCols(i0, w);
+    if (accumulate)
+      ci.noalias() += a * b.panel(i0).leftCols(w);
+    else
+      ci.noalias() = a * b.panel(i0).leftCols(w);
+  }
+}
+}  // namespace detail
+
+/// `c = a·b` (or `c += a·b`) with b in panels: under libxsmm the bits of
+/// gemm() on b as it stands when the view starts at a panel boundary;
+/// panel by panel on Eigen's GEMM. A view that starts inside a panel takes
+/// its first columns as a strided block (a narrower kernel, which may sum
+/// in another order), then the rest panel-aligned.
+template <class A, class T, class C>
+void gemm(const Eigen::MatrixBase<A>& a, const Panels<T>& b, const Eigen::MatrixBase<C>& c_, bool accumulate = false) {
   auto& c = const_cast<Eigen::MatrixBase<C>&>(c_);
   static_assert(std::is_same_v<typename A::Scalar, T> && std::is_same_v<typename C::Scalar, T>);
   eigen_assert(a.rows() == c.rows() && b.cols() == c.cols() && a.cols() == b.rows());
-  const auto tile = [&](Index p0, Index i0) {
-    const auto panel = b.panel(i0);
-    return std::pair(panel.data() + p0 * panel.cols(), panel.cols());
-  };
-  if (detail::xsmm_product(a, tile, c, accumulate)) return;
-  for (Index i0 = 0; i0 < b.cols(); i0 += detail::kGemmTileM) {
-    auto ci = c.middleCols(i0, b.panel_cols(i0));
-    if (accumulate)
-      ci.noalias() += a * b.panel(i0);
-    else
-      ci.noalias() = a * b.panel(i0);
-  }
+  if (b.offset() == 0) return detail::gemm_aligned_panels(a, b, c, accumulate);
+  const ConstStridedMap<T> lead = b.lead();
+  gemm(a, lead, c.leftCols(lead.cols()), accumulate);
+  const Index rest = b.cols() - lead.cols();
+  if (rest > 0) detail::gemm_aligned_panels(a, b.middle_cols(lead.cols(), rest), c.rightCols(rest), accumulate);
+}
+
+template <class A, class T, class C>
+void gemm(const Eigen::MatrixBase<A>& a, const PackedMatrix<T>& b, const Eigen::MatrixBase<C>& c, bool accumulate = false) {
+  gemm(a, b.panels(), c, accumulate);
 }
 
 }  // namespace headmix

@@ -231,9 +231,9 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     // Kᵀ once per batch item, [R, S]: the GEMM multiplies it untransposed.
     T* kt = ws.shared(slot::packed_key, B * R * S);
     parallel_for(B, opt_.threads, [&](Index b, int) {
-      MatrixMap<T>(kt + b * R * S, R, S) = k.middleRows(b * S, S).transpose();
+      Panels<T>::write(k.middleRows(b * S, S).transpose(), kt + b * R * S);
     });
-    attend(in.query, {kt, S, v.data(), S * H * dv, dv, H * dv, cb, S}, S, opt_.mask(), in.key_padding, out, ws,
+    attend(in.query, {kt, S, true, v.data(), S * H * dv, dv, H * dv, cb, S}, S, opt_.mask(), in.key_padding, out, ws,
            probs);
   }
 
@@ -271,7 +271,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
       project_content_bias(xb, MatrixMap<T>(cache.stream(2, b).data() + past * cache.stream(2, b).cols(), n,
                                             cache.stream(2, b).cols()));
     }
-    attend(x, {cache.stream_data(0), cache.transposed_stride(), cache.stream_data(1), H * cap * dv, cap * dv, dv,
+    attend(x, {cache.stream_data(0), cache.transposed_stride(), false, cache.stream_data(1), H * cap * dv, cap * dv, dv,
                cache.stream(2), cap},
            past + n, opt_.step_mask(past), {}, out, ws, probs);
     cache.advance(n);
@@ -313,13 +313,14 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   enum : std::size_t { kMixedQuerySlot = slot::local_variant, kHeadBiasSlot };
 
   // Where attend() reads the keys, values and content bias of S positions:
-  // Kᵀ as [R, kt_stride] per batch item (a forward packs it so, a cache
-  // stores it so); V's element (b, h, s, j) at v + b·v_batch + h·v_head +
+  // Kᵀ as [R, kt_stride] per batch item (a forward packs it in Panels, a
+  // cache stores it row by row); V's element (b, h, s, j) at v + b·v_batch + h·v_head +
   // s·v_row + j (heads side by side in a forward's projection, head-major in
   // a cache); the scaled content bias as [H] rows, key_stride per batch item.
   struct KeyValues {
     const T* kt;
     Index kt_stride;
+    bool kt_panels;
     const T* v;
     Index v_batch, v_head, v_row;
     MatrixMap<T> cb;
@@ -433,6 +434,12 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     // from Kᵀ's rows.
     void times_keys(const MatrixMap<T>& mixed, Index b, Index first, Index k0, Eigen::Map<Matrix<T>> out) const {
       const Index R = q.cols();
+      if (kv.kt_panels)
+        return gemm(mixed,
+                    Panels<T>(kv.kt + b * R * kv.kt_stride, R, kv.kt_stride)
+                        .middle_rows(first, mixed.cols())
+                        .middle_cols(k0, out.cols()),
+                    out);
       gemm(mixed, ConstStridedMap<T>(kv.kt + (b * R + first) * kv.kt_stride + k0, mixed.cols(), out.cols(),
                                      Eigen::OuterStride<>(kv.kt_stride)),
            out);
