@@ -66,8 +66,9 @@ XsmmKernel<T> xsmm_kernel(Index m, Index n, Index k, Index lda, Index ldb, Index
 template <class T, class BTile>
 void xsmm_gemm(Index m, Index n, Index k, const T* a, Index lda, BTile b_tile, T* c, Index ldc, bool accumulate) {
   // Within one call only the last tile of each dimension differs, so at most
-  // 16 kernels: looked up once each rather than per tile. A tile's B stride
-  // depends on its width alone, so it is the same for every use of a kernel.
+  // 16 kernels: looked up once each rather than per tile. Full-width tiles
+  // share one B stride, and the narrower ones are a single column of tiles,
+  // so every use of a kernel has the stride it was made for.
   std::array<XsmmKernel<T>, 16> kernels{};
   std::array<bool, 16> looked_up{};
   for (Index j0 = 0; j0 < m; j0 += kGemmTileN) {

@@ -228,7 +228,8 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     project_rows<T>(w_.v, xk, v, opt_.threads);
     project_content_bias(xk, cb);
     reserve_scratch(ws, std::min(block_rows(S), T_), S);
-    // Kᵀ once per batch item, [R, S]: the GEMM multiplies it untransposed.
+    // Kᵀ once per batch item, [R, S] in Panels: the GEMM multiplies it
+    // untransposed, in the order it reads it.
     T* kt = ws.shared(slot::packed_key, B * R * S);
     parallel_for(B, opt_.threads, [&](Index b, int) {
       Panels<T>::write(k.middleRows(b * S, S).transpose(), kt + b * R * S);
@@ -314,9 +315,10 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
 
   // Where attend() reads the keys, values and content bias of S positions:
   // Kᵀ as [R, kt_stride] per batch item (a forward packs it in Panels, a
-  // cache stores it row by row); V's element (b, h, s, j) at v + b·v_batch + h·v_head +
-  // s·v_row + j (heads side by side in a forward's projection, head-major in
-  // a cache); the scaled content bias as [H] rows, key_stride per batch item.
+  // cache stores it row by row); V's element (b, h, s, j) at v + b·v_batch
+  // + h·v_head + s·v_row + j (heads side by side in a forward's projection,
+  // head-major in a cache); the scaled content bias as [H] rows, key_stride
+  // per batch item.
   struct KeyValues {
     const T* kt;
     Index kt_stride;
