@@ -104,9 +104,10 @@ TYPED_TEST(DcmhaTest, IdentityComposeIsPlainAttention) {
 }
 
 // Rows long enough for the register-blocked path (whole cache lines of 16
-// floats / 8 doubles) plus a tail, for each branch mix and rank, with
-// multi-row tiles (static term by GEMM) and single-row tiles (static term
-// in the loop).
+// floats / 8 doubles) plus a tail, and for multi-row blocks to take their
+// keys in a chunk and part of a second (the pipeline's mix_chunk), for
+// each branch mix and rank, with multi-row tiles (static term by GEMM) and
+// single-row tiles (static term in the loop).
 TYPED_TEST(DcmhaTest, LongRowsEveryPath) {
   struct Mix {
     bool qw, kw, sw;
@@ -116,7 +117,7 @@ TYPED_TEST(DcmhaTest, LongRowsEveryPath) {
     for (int R : {1, 2, 3}) {
       for (Index block : {Index(0), Index(1)}) {
         Config c;
-        c.B = 1, c.T = 45, c.D = 8, c.H = 4, c.dk = c.dv = 2, c.out = 0, c.K = 4, c.R = R;
+        c.B = 1, c.T = headmix::mix_chunk + 22, c.D = 8, c.H = 4, c.dk = c.dv = 2, c.out = 0, c.K = 4, c.R = R;
         c.query_wise = mix.qw, c.key_wise = mix.kw, c.static_w = mix.sw, c.block_rows = block;
         c.causal = R != 2;  // causal rows start at column 0 and end anywhere; non-causal ones cover everything
         expect_matches_reference(make_problem<TypeParam>(c, 16 + static_cast<unsigned>(R)));

@@ -5,7 +5,8 @@
 //   * HeadsOnly declares score, values and the head counts, nothing else:
 //     the pipeline supplies the rest (no mixes, each head on its own).
 //   * Mixing adds has_pre_mix / has_post_mix and the two mix stages, which
-//     run on whole [heads, rows, cols] tiles: the unfused path.
+//     run on [heads, rows, chunk] tiles of up to headmix::mix_chunk keys
+//     (all keys for one-row blocks), with the softmax across chunks.
 //
 // Scores and values are fixed tables indexed by absolute (query, key), so
 // a policy that is called with the wrong first query or key, or a tile the
@@ -35,12 +36,13 @@ constexpr Index kB = 2, kT = 9, kS = 11, kScoreHeads = 3, kSoftmaxHeads = 2, kVa
 
 // score[b][h](i, j) and value[b][h](j, :), the same tables for every policy.
 struct Tables {
+  Index S;                                   // keys
   std::vector<Matrix<double>> score, value;  // index b * heads + h
   Matrix<double> pre, post;                  // [softmax, score] heads; [value, score]: the first columns
                                              // that there are softmax heads
-  explicit Tables(Rng& rng) {
-    for (Index i = 0; i < kB * kScoreHeads; ++i) score.push_back(random_matrix<double>(rng, kT, kS, 3.0));
-    for (Index i = 0; i < kB * kValueHeads; ++i) value.push_back(random_matrix<double>(rng, kS, kDv, 1.0));
+  explicit Tables(Rng& rng, Index keys = kS) : S(keys) {
+    for (Index i = 0; i < kB * kScoreHeads; ++i) score.push_back(random_matrix<double>(rng, kT, S, 3.0));
+    for (Index i = 0; i < kB * kValueHeads; ++i) value.push_back(random_matrix<double>(rng, S, kDv, 1.0));
     pre = random_matrix<double>(rng, kSoftmaxHeads, kScoreHeads, 1.0);
     post = random_matrix<double>(rng, kValueHeads, kScoreHeads, 1.0);
   }
@@ -107,38 +109,38 @@ Expected expected(const Tables& t, const PositionMask& mask, const std::vector<s
                   bool post, bool independent) {
   const Index hs = independent ? kValueHeads : kScoreHeads;
   const Index hl = independent ? kValueHeads : (pre ? kSoftmaxHeads : kScoreHeads);
-  Expected e{std::vector<double>(kB * kT * kValueHeads * kDv, 0.0), std::vector<double>(kB * kValueHeads * kT * kS)};
+  Expected e{std::vector<double>(kB * kT * kValueHeads * kDv, 0.0), std::vector<double>(kB * kValueHeads * kT * t.S)};
   for (Index b = 0; b < kB; ++b)
     for (Index i = 0; i < kT; ++i) {
-      std::vector<std::vector<double>> p(hl, std::vector<double>(kS, 0.0));
+      std::vector<std::vector<double>> p(hl, std::vector<double>(t.S, 0.0));
       for (Index g = 0; g < hl; ++g) {
-        std::vector<double> logit(kS);
+        std::vector<double> logit(t.S);
         double top = -std::numeric_limits<double>::infinity();
-        for (Index j = 0; j < kS; ++j) {
+        for (Index j = 0; j < t.S; ++j) {
           auto s = [&](Index a) { return t.score[b * kScoreHeads + a % kScoreHeads](i, j); };
           double l = 0;
           if (!independent && pre)
             for (Index a = 0; a < hs; ++a) l += t.pre(g, a) * s(a);
           else
             l = s(g);
-          const auto [lo, hi] = mask.key_range(i, kS);
-          const bool visible = j >= lo && j < hi && !pad[b * kS + j];
+          const auto [lo, hi] = mask.key_range(i, t.S);
+          const bool visible = j >= lo && j < hi && !pad[b * t.S + j];
           logit[j] = visible ? l : -std::numeric_limits<double>::infinity();
           top = std::max(top, logit[j]);
         }
         if (std::isinf(top)) continue;  // no visible key: zeros
         double sum = 0;
-        for (Index j = 0; j < kS; ++j) sum += p[g][j] = std::exp(logit[j] - top);
-        for (Index j = 0; j < kS; ++j) p[g][j] /= sum;
+        for (Index j = 0; j < t.S; ++j) sum += p[g][j] = std::exp(logit[j] - top);
+        for (Index j = 0; j < t.S; ++j) p[g][j] /= sum;
       }
       for (Index c = 0; c < kValueHeads; ++c)
-        for (Index j = 0; j < kS; ++j) {
+        for (Index j = 0; j < t.S; ++j) {
           double w = 0;
           if (!independent && post)
             for (Index g = 0; g < hl; ++g) w += t.post(c, g) * p[g][j];
           else
             w = p[c][j];
-          e.probs[((b * kValueHeads + c) * kT + i) * kS + j] = w;
+          e.probs[((b * kValueHeads + c) * kT + i) * t.S + j] = w;
           for (Index d = 0; d < kDv; ++d)
             e.out[(b * kT + i) * kValueHeads * kDv + c * kDv + d] += w * t.value[b * kValueHeads + c](j, d);
         }
@@ -169,25 +171,25 @@ const std::vector<Setting>& settings() {
 // change the output.
 template <class Policy>
 void check(const Policy& policy, const Tables& t, bool pre, bool post, bool independent) {
-  std::vector<std::uint8_t> pad(kB * kS, 0);
-  for (Index j = 0; j < kS; j += 4) pad[kS + j] = 1;  // item 1: every fourth key padded
+  std::vector<std::uint8_t> pad(kB * t.S, 0);
+  for (Index j = 0; j < t.S; j += 4) pad[t.S + j] = 1;  // item 1: every fourth key padded
   for (const Setting& s : settings())
     for (Index block : {Index(1), Index(4), Index(kT)})
       for (Index key_block : {Index(1), Index(3), Index(512)})
         for (int threads : {1, 3}) {
           SCOPED_TRACE(std::string(s.name) + ", block_rows " + std::to_string(block) + ", key_block " +
                        std::to_string(key_block) + ", threads " + std::to_string(threads));
-          const Expected e = expected(t, s.mask, s.padded ? pad : std::vector<std::uint8_t>(kB * kS, 0), pre, post,
+          const Expected e = expected(t, s.mask, s.padded ? pad : std::vector<std::uint8_t>(kB * t.S, 0), pre, post,
                                       independent);
           std::vector<double> first;
           for (bool export_probs : {true, false}) {
             std::vector<double> context(kB * kT * kValueHeads * kDv, -7.0);  // every entry must be written
             Tensor<double> probs;
             headmix::DenseRun<double> run;
-            run.batch = kB, run.queries = kT, run.keys = kS, run.mask = s.mask, run.block_rows = block;
+            run.batch = kB, run.queries = kT, run.keys = t.S, run.mask = s.mask, run.block_rows = block;
             run.key_block = key_block, run.threads = threads, run.context = context.data();
             if (export_probs) run.probs = &probs;
-            if (s.padded) run.padding = {pad.data(), kB, kS};
+            if (s.padded) run.padding = {pad.data(), kB, t.S};
             Workspace<double> ws;
             headmix::run_dense_pipeline(policy, run, ws);
             EXPECT_TRUE(all_close("context", context.data(), context.size(), e.out, {1e-12, 1e-12}));
@@ -212,15 +214,25 @@ TEST(DensePipeline, IndependentHeadsGetEveryOtherStageFromThePipeline) {
   check(HeadsOnly{&t}, t, false, false, true);
 }
 
-TEST(DensePipeline, MixesRunOnWholeTilesAroundTheMaskedSoftmax) {
-  Rng rng(4);
-  const Tables t(rng);
+void check_mixes(const Tables& t) {
   for (bool pre : {false, true})
     for (bool post : {false, true}) {
       if (!post && kValueHeads != (pre ? kSoftmaxHeads : kScoreHeads)) continue;  // heads must line up
       SCOPED_TRACE(std::string("pre ") + (pre ? "on" : "off") + ", post " + (post ? "on" : "off"));
       check(Mixing{&t, pre, post}, t, pre, post, false);
     }
+}
+
+TEST(DensePipeline, MixesRunAroundTheMaskedSoftmax) {
+  Rng rng(4);
+  check_mixes(Tables(rng));
+}
+
+// Taller blocks take their keys in chunks of mix_chunk, the softmax running
+// across them: a whole chunk and part of a second.
+TEST(DensePipeline, MixesRunOverKeyChunks) {
+  Rng rng(7);
+  check_mixes(Tables(rng, headmix::mix_chunk + 22));
 }
 
 // The online softmax against one pass over all keys, in float, on rows

@@ -78,6 +78,10 @@ class OnlineSoftmax {
     }
   }
 
+  /// Row r's running maximum (-inf before its first visible key) and sum.
+  T max(Index r) const { return max_(r); }
+  T sum(Index r) const { return sum_(r); }
+
   /// Divide each output row by its sum; a row that saw no key stays 0.
   template <class Out>
   void finish(Out& out) const {

@@ -32,7 +32,9 @@
 // may say which consecutive heads read the same K and V
 // (kv_sharing_heads()) or the same K only (key_sharing_heads()); with
 // score_group, a one-row block then scores them as one product. Mixing heads
-// need every key of a row at once: their tiles span the block's keys.
+// need every key of a row before the post-softmax mix: mix stages of their
+// own run over chunks of keys in two sweeps (detail::mix_in_key_chunks),
+// the fused stage over the block's whole tile.
 //
 // Projections happen before the pipeline (as GEMMs over all B·T rows) and
 // the output projection after it.
@@ -108,24 +110,42 @@ struct DenseRun {
   Index key_block = 1024;      ///< keys per online-softmax step when heads run alone
 };
 
+/// Keys per chunk when a policy mixes heads in stages of their own
+/// (detail::mix_in_key_chunks): a chunk and its mixed copy,
+/// 2 · heads · rows · 128 values (768 KiB at 12 heads, 64 rows, float), stay
+/// in L2 through each sweep. Measured on DCMHA (D = 768, T = 1024 and 2048,
+/// paired): 128 ran 1-5% faster than 64 (whose rows are too short for the
+/// softmax's per-row work) and than 256; 32 ran ~15% slower. One query row
+/// (a decoding step) takes all its keys as one chunk.
+inline constexpr Index mix_chunk = 128;
+inline Index mix_chunk_keys(Index rows, Index cols) {
+  return rows == 1 ? std::max<Index>(1, cols) : std::clamp<Index>(cols, 1, mix_chunk);
+}
+
 /// Size every worker's tiles for blocks of up to `block_rows` queries over
 /// up to `keys` keys ahead of time, so that a sequence of calls with growing
 /// key counts (decoding steps over a cache) allocates nothing. `planes`: the
 /// [rows, keys] planes a worker holds at once, 1 when heads run one at a
-/// time, else max(score, softmax, value heads). `second_tile`: the policy
-/// mixes in stages of their own, which write to a second tile. `key_block`
+/// time, else max(score, softmax, value heads). `mix_stages`: the policy
+/// mixes in stages of their own, run over chunks of keys. `key_block`
 /// > 0: heads run alone over blocks of that many keys (the online softmax),
 /// `group` of them at a time (key_sharing_heads).
 template <class T>
-void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool second_tile, Index block_rows,
+void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool mix_stages, Index block_rows,
                          Index keys, Index key_block = 0, Index group = 1) {
-  // Heads run alone over key blocks, except one query row (a step): all keys at once.
-  const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys, one_row = key_block > 0 ? group * keys : 0;
   const int workers = std::max(1, threads);
   ws.reserve_local(workers, slot::key_bias, keys);
+  if (mix_stages) {  // the block's chunks, a chunk tile, and per row: max, sum and the chunks' maxima
+    const Index chunk = mix_chunk_keys(block_rows, keys), chunks = (std::max<Index>(1, keys) + chunk - 1) / chunk;
+    ws.reserve_local(workers, slot::tile_a, planes * std::max(block_rows * chunks * chunk, keys));
+    ws.reserve_local(workers, slot::tile_b, planes * std::max(block_rows * chunk, keys));
+    ws.reserve_local(workers, slot::row_stats, planes * std::max<Index>(block_rows * (2 + chunks), 3));
+    return;
+  }
+  // Heads run alone over key blocks, except one query row (a step): all keys at once.
+  const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys, one_row = key_block > 0 ? group * keys : 0;
   ws.reserve_local(workers, slot::row_stats, 2 * block_rows * group);
   ws.reserve_local(workers, slot::tile_a, std::max(std::max(planes * block_rows, group) * tile_keys, one_row));
-  if (second_tile) ws.reserve_local(workers, slot::tile_b, planes * block_rows * tile_keys);
 }
 
 namespace detail {
@@ -192,6 +212,78 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
     }
   }
 }
+
+/// Heads that mix in stages of their own, on one block of `rows` queries
+/// from q0 and its keys [k0, k0 + cols), a chunk of keys at a time
+/// (mix_chunk_keys), in two sweeps:
+///  1. score every head, pre-mix, and turn each softmax head's logits into
+///     exp(logit - m), m the row's running maximum (OnlineSoftmax::absorb),
+///     keeping m after every chunk;
+///  2. scale each chunk's exponentials to the final softmax,
+///     exp(m_chunk - m_final) / sum, post-mix them, and hand each value
+///     head's weights to emit(head, weights, chunk's first column).
+/// Each chunk is a tile of its own in one buffer, written once and read
+/// once; each mix runs on a chunk in L2. Against the two-pass softmax the
+/// weights differ by the online softmax's rounding (core/online_softmax.hpp,
+/// with chunks for blocks) plus the one rescaling multiply.
+template <class T, class Policy, class Emit>
+void mix_in_key_chunks(const Policy& policy, Index b, Index q0, Index rows, Index k0, Index cols, Index S,
+                       const PositionMask& mask, const T* bias, Index tile_heads, Emit&& emit, Workspace<T>& ws,
+                       int w) {
+  const Index hs = policy.softmax_heads(), hv = policy.value_heads();
+  const Index chunk = mix_chunk_keys(rows, cols), chunks = (std::max<Index>(1, cols) + chunk - 1) / chunk;
+  const Index chunk_size = tile_heads * rows * chunk;
+  T* kept = ws.local(w, slot::tile_a, chunks * chunk_size);  // chunk i at kept + i · chunk_size
+  T* spare = ws.local(w, slot::tile_b, chunk_size);
+  if (cols == 0) {  // no visible key: zero weights
+    for (Index c = 0; c < hv; ++c) emit(c, Eigen::Map<Matrix<T>>(spare, rows, 0), 0);
+    return;
+  }
+  T* stats = ws.local(w, slot::row_stats, hs * rows * (2 + chunks));
+  T* chunk_max = stats + 2 * hs * rows;  // [chunk, head, row]: m after the chunk
+  auto softmax_of = [&](Index h) { return OnlineSoftmax<T>(stats + 2 * rows * h, rows); };
+  Eigen::Map<Matrix<T>> nothing_to_rescale(nullptr, rows, 0);
+  auto tile = [&](Index i, Index heads) {
+    const Index c0 = i * chunk;
+    return AttentionTensor<T>(kept + i * chunk_size, heads, rows, std::min(chunk, cols - c0), q0, k0 + c0);
+  };
+
+  for (Index h = 0; h < hs; ++h) softmax_of(h).start();
+  for (Index i = 0; i < chunks; ++i) {
+    const Index c0 = i * chunk;
+    AttentionTensor<T> logits = tile(i, hs);
+    if (policy.has_pre_mix()) {
+      const AttentionTensor<T> scores = logits.like(spare, policy.score_heads());
+      for (Index h = 0; h < scores.heads(); ++h) policy.score(b, h, scores.head(h), q0, k0 + c0, ws, w);
+      policy.pre_mix(b, scores, logits, ws, w);
+    } else {
+      for (Index h = 0; h < hs; ++h) policy.score(b, h, logits.head(h), q0, k0 + c0, ws, w);
+    }
+    for (Index h = 0; h < hs; ++h) {
+      auto softmax = softmax_of(h);
+      softmax.absorb(logits.head(h), q0, k0 + c0, S, mask, bias ? bias + c0 : nullptr, nothing_to_rescale);
+      for (Index r = 0; r < rows; ++r) chunk_max[(i * hs + h) * rows + r] = softmax.max(r);
+    }
+  }
+
+  for (Index i = 0; i < chunks; ++i) {
+    const AttentionTensor<T> probs = tile(i, hs);
+    for (Index h = 0; h < hs; ++h) {
+      const auto softmax = softmax_of(h);
+      auto p = probs.head(h);
+      for (Index r = 0; r < rows; ++r) {
+        const T sum = softmax.sum(r);  // 0: the row sees no key; NaN passes on
+        p.row(r) *= sum == T(0) ? T(0) : std::exp(chunk_max[(i * hs + h) * rows + r] - softmax.max(r)) / sum;
+      }
+    }
+    AttentionTensor<T> weights = probs;
+    if (policy.has_post_mix()) {
+      weights = probs.like(spare, hv);
+      policy.post_mix(b, probs, weights, ws, w);
+    }
+    for (Index c = 0; c < hv; ++c) emit(c, weights.head(c), i * chunk);
+  }
+}
 }  // namespace detail
 
 template <class T, class Policy>
@@ -226,18 +318,19 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       bias = buf;
     }
 
-    // Readout of final head c, plus the exported weights if asked for.
-    auto emit = [&](Index c, const Eigen::Map<Matrix<T>>& weights) {
+    // Readout of final head c from its weights on the tile's columns from
+    // c0 on (added to the columns before), and the exported weights if asked for.
+    auto emit = [&](Index c, const Eigen::Map<Matrix<T>>& weights, Index c0) {
       auto out = context.block(b * T_ + q0, c * dv, rows, dv);
-      if (cols > 0)
-        detail::read_values(policy, weights, b, c, k0, out, false, ws, w);
-      else
+      if (weights.cols() > 0)
+        detail::read_values(policy, weights, b, c, k0 + c0, out, c0 > 0, ws, w);
+      else if (c0 == 0)
         out.setZero();
       if (probs) {
         T* dst = probs + ((b * hv + c) * T_ + q0) * S;
         for (Index r = 0; r < rows; ++r, dst += S) {
-          std::fill(dst, dst + S, T(0));
-          std::copy_n(weights.row(r).data(), cols, dst + k0);
+          if (c0 == 0) std::fill(dst, dst + S, T(0));
+          std::copy_n(weights.row(r).data(), weights.cols(), dst + k0 + c0);
         }
       }
     };
@@ -295,27 +388,15 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       return;
     }
     if constexpr (mixes_heads<Policy>::value) {
-      T* buf_a = ws.local(w, slot::tile_a, tile_heads * rows * cols);
-      AttentionTensor<T> scores(buf_a, policy.score_heads(), rows, cols, q0, k0);
-      for (Index h = 0; h < scores.heads(); ++h)
-        if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);
-      if constexpr (fuses_mix_softmax<Policy>::value) {  // one pass over the tile, no second tile
+      if constexpr (fuses_mix_softmax<Policy>::value) {  // one pass over the block's tile, in place
+        T* buf = ws.local(w, slot::tile_a, tile_heads * rows * cols);
+        AttentionTensor<T> scores(buf, policy.score_heads(), rows, cols, q0, k0);
+        for (Index h = 0; h < scores.heads(); ++h)
+          if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);
         const AttentionTensor<T> weights = policy.mix_softmax(b, scores, S, run.mask, bias, ws, w);
-        for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
+        for (Index c = 0; c < hv; ++c) emit(c, weights.head(c), 0);
       } else {
-        T* buf_b = ws.local(w, slot::tile_b, tile_heads * rows * cols);
-        AttentionTensor<T> logits = scores;
-        if (policy.has_pre_mix()) {
-          logits = scores.like(buf_b, policy.softmax_heads());
-          policy.pre_mix(b, scores, logits, ws, w);
-        }
-        masked_softmax(logits, S, run.mask, bias);
-        AttentionTensor<T> weights = logits;
-        if (policy.has_post_mix()) {
-          weights = logits.like(logits.data() == buf_a ? buf_b : buf_a, hv);
-          policy.post_mix(b, logits, weights, ws, w);
-        }
-        for (Index c = 0; c < hv; ++c) emit(c, weights.head(c));
+        detail::mix_in_key_chunks(policy, b, q0, rows, k0, cols, S, run.mask, bias, tile_heads, emit, ws, w);
       }
     }
   });

@@ -33,8 +33,10 @@
 //   Q [B·T, H·dk] + K [B·S, Hkv·dk] + V [B·S, Hkv·dv] + context [B·T, H·dv]
 //   + factors (B·T + B·S) · G·(2R+1)·M per used stage (S padded)
 //   + a forward: K and V again, copied head-major (DotProductStages::packed)
-//   + per worker: two tiles H · block_rows · S, the dynamic-weight scratch
-//     (64 rows × G·slots·(K+M)) and (M + 2R) KiB of compose scratch,
+//   + per worker: a tile H · block_rows · S (its key chunks, one after the
+//     other: core/pipeline.hpp), a chunk H · block_rows · 128, the
+//     dynamic-weight scratch (64 rows × G·slots·(K+M)) and (M + 2R) KiB of
+//     compose scratch,
 // so attention memory grows with block_rows · S, never T · S.
 //
 // Files: dcmha/options.hpp (options, weights, multiply-add counts),
@@ -442,8 +444,6 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
           lo = std::max(lo, c0);
           hi = std::min(hi, c1);
           if (lo >= hi) continue;
-          if (r + 1 < rows)
-            detail::prefetch_compose_row(zg + (r + 1) * cols + lo, og + (r + 1) * cols + lo, hi - lo, M, plane);
           const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
           const detail::ComposeSegment<T> segment{zg + r * cols + lo, og + r * cols + lo, plane, qf,
                                                   kw ? kfg + lo : nullptr, rs, mix, M, R, static_loop, sw,

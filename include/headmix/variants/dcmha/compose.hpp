@@ -162,19 +162,4 @@ void compose_segment(const ComposeSegment<T>& s, Index len, bool generic_only = 
   if (done < len) compose_generic(s.from(done), len - done);
 }
 
-/// Ask for the next row's lines early: a compose tile is bigger than L2,
-/// and its rows are too short for the hardware prefetcher to pick them up.
-template <class T>
-void prefetch_compose_row(const T* z, T* o, Index len, Index M, Index plane) {
-#if defined(__GNUC__) || defined(__clang__)
-  for (Index m = 0; m < M; ++m)
-    for (Index c = 0; c < len; c += compose_line<T>) {
-      __builtin_prefetch(z + m * plane + c, 0, 3);
-      __builtin_prefetch(o + m * plane + c, 1, 3);
-    }
-#else
-  (void)z, (void)o, (void)len, (void)M, (void)plane;
-#endif
-}
-
 }  // namespace headmix::detail
