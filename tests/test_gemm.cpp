@@ -141,7 +141,7 @@ TYPED_TEST(GemmTyped, PanelViewsAtAnyOffset) {
   const Index m = 5, stored_rows = 70, stored_cols = 300;
   const Matrix<T> b = random_matrix<T>(stored_rows, stored_cols, rng);
   const PackedMatrix<T> packed(b);
-  for (const auto [r0, k] : {std::pair<Index, Index>{0, 70}, {0, 20}, {13, 57}, {31, 9}})
+  for (const auto& [r0, k] : {std::pair<Index, Index>{0, 70}, {0, 20}, {13, 57}, {31, 9}})
     for (const Index c0 : {0, 1, 37, 63, 64, 65, 128, 250, 299})
       for (const Index n : {1, 2, 27, 63, 64, 65, 130, 236})
         for (bool accumulate : {false, true}) {
