@@ -78,9 +78,17 @@ class OnlineSoftmax {
     }
   }
 
-  /// Row r's running maximum (-inf before its first visible key) and sum.
+  /// Row r's running maximum (-inf before its first visible key).
   T max(Index r) const { return max_(r); }
-  T sum(Index r) const { return sum_(r); }
+
+  /// After the last block: turn one block's unnormalised weights, which
+  /// absorb() took against the running maxima `max_then` (one per row, as
+  /// max() read them right after that block), into final weights, in place.
+  /// A row that saw no key comes out 0; a NaN sum passes on.
+  void rescale(Eigen::Map<Matrix<T>> tile, const T* max_then) const {
+    for (Index r = 0; r < tile.rows(); ++r)
+      tile.row(r) *= sum_(r) == T(0) ? T(0) : std::exp(max_then[r] - max_(r)) / sum_(r);
+  }
 
   /// Divide each output row by its sum; a row that saw no key stays 0.
   template <class Out>

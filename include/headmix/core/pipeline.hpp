@@ -219,8 +219,8 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
 ///  1. score every head, pre-mix, and turn each softmax head's logits into
 ///     exp(logit - m), m the row's running maximum (OnlineSoftmax::absorb),
 ///     keeping m after every chunk;
-///  2. scale each chunk's exponentials to the final softmax,
-///     exp(m_chunk - m_final) / sum, post-mix them, and hand each value
+///  2. scale each chunk's exponentials to the final softmax
+///     (OnlineSoftmax::rescale), post-mix them, and hand each value
 ///     head's weights to emit(head, weights, chunk's first column).
 /// Each chunk is a tile of its own in one buffer, written once and read
 /// once; each mix runs on a chunk in L2. Against the two-pass softmax the
@@ -268,14 +268,7 @@ void mix_in_key_chunks(const Policy& policy, Index b, Index q0, Index rows, Inde
 
   for (Index i = 0; i < chunks; ++i) {
     const AttentionTensor<T> probs = tile(i, hs);
-    for (Index h = 0; h < hs; ++h) {
-      const auto softmax = softmax_of(h);
-      auto p = probs.head(h);
-      for (Index r = 0; r < rows; ++r) {
-        const T sum = softmax.sum(r);  // 0: the row sees no key; NaN passes on
-        p.row(r) *= sum == T(0) ? T(0) : std::exp(chunk_max[(i * hs + h) * rows + r] - softmax.max(r)) / sum;
-      }
-    }
+    for (Index h = 0; h < hs; ++h) softmax_of(h).rescale(probs.head(h), chunk_max + (i * hs + h) * rows);
     AttentionTensor<T> weights = probs;
     if (policy.has_post_mix()) {
       weights = probs.like(spare, hv);
