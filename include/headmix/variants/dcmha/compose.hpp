@@ -56,47 +56,68 @@ inline constexpr Index compose_line = 64 / static_cast<Index>(sizeof(T));
 /// The first (len / line) · line columns of the segment, one cache line of
 /// every head at a time: each line is read once (into scratch, which the
 /// second pass reads back from L1) and the 2R rank projections stay in
-/// registers. R_ must equal s.R. Returns the number of columns done.
-template <int R_, class T>
+/// registers. R_ must equal s.R, QW and KW whether s has query-wise and
+/// key-wise factors. Returns the number of columns done.
+template <int R_, bool QW, bool KW, class T>
 Index compose_lines(const ComposeSegment<T>& s, Index len) {
   constexpr Index L = compose_line<T>;
   using Line = Eigen::Array<T, L, 1>;
   using CLine = Eigen::Map<const Line>;
   using WLine = Eigen::Map<Line>;
-  const Index M = s.M, RM = R_ * M;
-  const bool qw = s.qf != nullptr, kw = s.kf != nullptr;
+  // The segment's fields as locals: the kernel's stores go through T*, which
+  // could alias `s`, so the compiler would reload every field on every line.
+  const Index M = s.M, RM = R_ * M, plane = s.plane, rs = s.rs;
+  const T* const qf = s.qf;
+  T* const scratch = s.scratch;
+  const Matrix<T>* const mix = s.static_loop ? s.mix : nullptr;
+  const bool accumulate = s.accumulate;
+  const T identity = s.identity;
   Index x = 0;
   for (; x + L <= len; x += L) {
     const T* z = s.z + x;
     T* o = s.o + x;
-    const T* kf = kw ? s.kf + x : nullptr;
+    const T* kf = KW ? s.kf + x : nullptr;
     Line qa[R_], kb[R_];
     for (int i = 0; i < R_; ++i) qa[i].setZero(), kb[i].setZero();
     for (Index m = 0; m < M; ++m) {
-      const Line zm = CLine(z + m * s.plane);
-      WLine(s.scratch + m * L) = zm;
+      const Line zm = CLine(z + m * plane);
+      WLine(scratch + m * L) = zm;
       for (int i = 0; i < R_; ++i) {
-        if (qw) qa[i] += s.qf[i * M + m] * zm;
-        if (kw) kb[i] += CLine(kf + (i * M + m) * s.rs) * zm;
+        if constexpr (QW) qa[i] += qf[i * M + m] * zm;
+        if constexpr (KW) kb[i] += CLine(kf + (i * M + m) * rs) * zm;
       }
     }
     for (Index n = 0; n < M; ++n) {
-      const CLine zn(s.scratch + n * L);
-      const T diag = s.identity + (qw ? s.qf[2 * RM + n] : T(0));
-      Line on = kw ? ((CLine(kf + (2 * RM + n) * s.rs) + diag) * zn).eval() : (diag * zn).eval();
-      if (s.static_loop) {
-        for (Index m = 0; m < M; ++m) on += (*s.mix)(n, m) * CLine(s.scratch + m * L);
-      } else if (s.accumulate) {
-        on += CLine(o + n * s.plane);
+      const CLine zn(scratch + n * L);
+      T diag = identity;
+      if constexpr (QW) diag += qf[2 * RM + n];
+      Line on;
+      if constexpr (KW)
+        on = (CLine(kf + (2 * RM + n) * rs) + diag) * zn;
+      else
+        on = diag * zn;
+      if (mix) {
+        for (Index m = 0; m < M; ++m) on += (*mix)(n, m) * CLine(scratch + m * L);
+      } else if (accumulate) {
+        on += CLine(o + n * plane);
       }
       for (int i = 0; i < R_; ++i) {
-        if (qw) on += s.qf[RM + i * M + n] * qa[i];
-        if (kw) on += CLine(kf + (RM + i * M + n) * s.rs) * kb[i];
+        if constexpr (QW) on += qf[RM + i * M + n] * qa[i];
+        if constexpr (KW) on += CLine(kf + (RM + i * M + n) * rs) * kb[i];
       }
-      WLine(o + n * s.plane) = on;
+      WLine(o + n * plane) = on;
     }
   }
   return x;
+}
+
+/// compose_lines for s's factors, at rank R_.
+template <int R_, class T>
+Index compose_lines_of_rank(const ComposeSegment<T>& s, Index len) {
+  if (s.qf && s.kf) return compose_lines<R_, true, true>(s, len);
+  if (s.qf) return compose_lines<R_, true, false>(s, len);
+  if (s.kf) return compose_lines<R_, false, true>(s, len);
+  return compose_lines<R_, false, false>(s, len);
 }
 
 /// All `len` columns of the segment (any R), compose_chunk<T> at a time:
@@ -158,7 +179,8 @@ void compose_generic(const ComposeSegment<T>& s, Index len) {
 template <class T>
 void compose_segment(const ComposeSegment<T>& s, Index len, bool generic_only = false) {
   Index done = 0;
-  if (!generic_only) done = s.R == 2 ? compose_lines<2>(s, len) : s.R == 1 ? compose_lines<1>(s, len) : 0;
+  if (!generic_only)
+    done = s.R == 2 ? compose_lines_of_rank<2>(s, len) : s.R == 1 ? compose_lines_of_rank<1>(s, len) : 0;
   if (done < len) compose_generic(s.from(done), len - done);
 }
 
