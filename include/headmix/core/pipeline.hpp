@@ -2,7 +2,8 @@
 //
 //   score ──► pre-softmax mix ──► mask + softmax ──► post-softmax mix ──► readout
 //
-// It walks (batch item, block of query rows) tasks, so scratch is
+// It walks tasks of one batch item's block of query rows (for independent
+// heads, of one group of heads as well), so scratch is
 // O(heads · block_rows · S) per worker, never O(heads · T · S). A variant is
 // a policy that fills in its own stages (see Mha::Policy in variants/mha.hpp,
 // the smallest; DotProductStages in core/dot_product.hpp provides score and
@@ -299,8 +300,16 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
                       std::min(block, T_), S, mixes ? 0 : std::max<Index>(1, run.key_block),
                       std::clamp<Index>(key_sharing_heads(policy), 1, std::max<Index>(1, hv)));
 
-  parallel_for(run.batch * blocks, run.threads, [&](Index task, int w) {
-    const Index b = task / blocks, q0 = (task % blocks) * block, rows = std::min(block, T_ - q0);
+  // Independent heads run as tasks of their own, a group of heads that read
+  // the same K and V (group_heads) over one block, every block of a group
+  // before the next group: consecutive tasks then read the same K_h and V_h,
+  // which stay in L2 at moderate lengths instead of being fetched again from
+  // L3 for every block. Heads that mix share each block's tile: one task.
+  const Index group_heads = std::clamp<Index>(kv_sharing_heads(policy), 1, std::max<Index>(1, hv));
+  const Index head_tasks = mixes ? 1 : (hv + group_heads - 1) / group_heads;
+  parallel_for(head_tasks * run.batch * blocks, run.threads, [&](Index task, int w) {
+    const Index head_task = task / (run.batch * blocks), item_block = task % (run.batch * blocks);
+    const Index b = item_block / blocks, q0 = (item_block % blocks) * block, rows = std::min(block, T_ - q0);
     const auto keys = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
     const Index k0 = keys.first, k1 = keys.second;
     const Index cols = k1 - k0;
@@ -333,7 +342,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       // of S scores: its products then stream each K_hᵀ row whole.
       const Index key_block = rows == 1 ? std::max<Index>(1, cols)
                                         : std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
-      const Index group = std::clamp<Index>(kv_sharing_heads(policy), 1, hv);
+      const Index group = group_heads;
       T* buf = ws.local(w, slot::tile_a, rows * key_block);
       T* stats = ws.local(w, slot::row_stats, 2 * rows * group);
       auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, rows, std::min(key_block, k1 - kb)); };
@@ -341,41 +350,40 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       if constexpr (stacks_heads<Policy>::value) {
         const Index key_group = std::clamp<Index>(key_sharing_heads(policy), 1, hv);
         if (rows == 1 && key_group > 1) {  // a decoding step over shared keys (grouped-query, CollabHead)
+          if (head_task > 0) return;        // all heads in the block's first task
           detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group, group == key_group,
                                  &context(b * T_ + q0, 0), probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S,
                                  ws, w);
           return;
         }
       }
-      for (Index h0 = 0; h0 < hv; h0 += group) {
-        const Index h1 = std::min(hv, h0 + group);
-        auto softmax_of = [&](Index h) { return OnlineSoftmax<T>(stats + 2 * rows * (h - h0), rows); };
+      const Index h0 = head_task * group, h1 = std::min(hv, h0 + group);
+      auto softmax_of = [&](Index h) { return OnlineSoftmax<T>(stats + 2 * rows * (h - h0), rows); };
+      for (Index h = h0; h < h1; ++h) {
+        out_of(h).setZero();
+        softmax_of(h).start();
+      }
+      // Heads that read the same K and V take each block in turn while it
+      // is in cache; each head's arithmetic is the same in any order.
+      for (Index kb = k0; kb < k1; kb += key_block)
         for (Index h = h0; h < h1; ++h) {
-          out_of(h).setZero();
-          softmax_of(h).start();
-        }
-        // Heads that read the same K and V take each block in turn while it
-        // is in cache; each head's arithmetic is the same in any order.
-        for (Index kb = k0; kb < k1; kb += key_block)
-          for (Index h = h0; h < h1; ++h) {
-            auto t = tile(kb);
-            auto out = out_of(h);
-            policy.score(b, h, t, q0, kb, ws, w);
-            softmax_of(h).absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
-            detail::read_values(policy, t, b, h, kb, out, true, ws, w);
-          }
-        for (Index h = h0; h < h1; ++h) {
+          auto t = tile(kb);
           auto out = out_of(h);
-          softmax_of(h).finish(out);
-          if (!probs) continue;
-          T* dst = probs + ((b * hv + h) * T_ + q0) * S;
-          std::fill(dst, dst + rows * S, T(0));
-          for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
-            auto t = tile(kb);
-            policy.score(b, h, t, q0, kb, ws, w);
-            softmax_of(h).weights(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr);
-            for (Index r = 0; r < rows; ++r) std::copy_n(t.row(r).data(), t.cols(), dst + r * S + kb);
-          }
+          policy.score(b, h, t, q0, kb, ws, w);
+          softmax_of(h).absorb(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr, out);
+          detail::read_values(policy, t, b, h, kb, out, true, ws, w);
+        }
+      for (Index h = h0; h < h1; ++h) {
+        auto out = out_of(h);
+        softmax_of(h).finish(out);
+        if (!probs) continue;
+        T* dst = probs + ((b * hv + h) * T_ + q0) * S;
+        std::fill(dst, dst + rows * S, T(0));
+        for (Index kb = k0; kb < k1; kb += key_block) {  // the weights again, from the final row statistics
+          auto t = tile(kb);
+          policy.score(b, h, t, q0, kb, ws, w);
+          softmax_of(h).weights(t, q0, kb, S, run.mask, bias ? bias + (kb - k0) : nullptr);
+          for (Index r = 0; r < rows; ++r) std::copy_n(t.row(r).data(), t.cols(), dst + r * S + kb);
         }
       }
       return;
