@@ -98,6 +98,14 @@ struct stacks_heads : std::false_type {};
 template <class P>
 struct stacks_heads<P, std::void_t<decltype(&P::score_group)>> : std::true_type {};
 
+/// How many heads a one-row block scores in one product over shared keys:
+/// key_sharing_heads() for a policy that stacks heads, else 1.
+template <class P>
+Index stacked_key_group(const P& policy, Index heads) {
+  if constexpr (stacks_heads<P>::value) return std::clamp<Index>(key_sharing_heads(policy), 1, std::max<Index>(1, heads));
+  return 1;
+}
+
 /// What one call of the pipeline works on.
 template <class T>
 struct DenseRun {
@@ -313,6 +321,10 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     const auto keys = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
     const Index k0 = keys.first, k1 = keys.second;
     const Index cols = k1 - k0;
+    // A decoding step over shared keys (grouped-query, CollabHead) scores
+    // every head in one product, in the block's first task.
+    const bool stacked_step = !mixes && rows == 1 && stacked_key_group(policy, hv) > 1;
+    if (stacked_step && head_task > 0) return;
     const T* bias = nullptr;
     if (!run.padding.empty()) {
       T* buf = ws.local(w, slot::key_bias, cols);
@@ -342,22 +354,20 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       // of S scores: its products then stream each K_hᵀ row whole.
       const Index key_block = rows == 1 ? std::max<Index>(1, cols)
                                         : std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
-      const Index group = group_heads;
       T* buf = ws.local(w, slot::tile_a, rows * key_block);
-      T* stats = ws.local(w, slot::row_stats, 2 * rows * group);
+      T* stats = ws.local(w, slot::row_stats, 2 * rows * group_heads);
       auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, rows, std::min(key_block, k1 - kb)); };
       auto out_of = [&](Index h) { return context.block(b * T_ + q0, h * dv, rows, dv); };
       if constexpr (stacks_heads<Policy>::value) {
-        const Index key_group = std::clamp<Index>(key_sharing_heads(policy), 1, hv);
-        if (rows == 1 && key_group > 1) {  // a decoding step over shared keys (grouped-query, CollabHead)
-          if (head_task > 0) return;        // all heads in the block's first task
-          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group, group == key_group,
-                                 &context(b * T_ + q0, 0), probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S,
-                                 ws, w);
+        if (stacked_step) {
+          const Index key_group = stacked_key_group(policy, hv);
+          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group,
+                                 group_heads == key_group, &context(b * T_ + q0, 0),
+                                 probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S, ws, w);
           return;
         }
       }
-      const Index h0 = head_task * group, h1 = std::min(hv, h0 + group);
+      const Index h0 = head_task * group_heads, h1 = std::min(hv, h0 + group_heads);
       auto softmax_of = [&](Index h) { return OnlineSoftmax<T>(stats + 2 * rows * (h - h0), rows); };
       for (Index h = h0; h < h1; ++h) {
         out_of(h).setZero();
