@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -755,6 +756,24 @@ std::string tune_malloc() {
             : "glibc malloc defaults (mallopt failed)";
 }
 
+#ifdef HEADMIX_BENCH_OPENBLAS
+// Empty, or why OpenBLAS is not at its strongest here: OPENBLAS_CORETYPE
+// forcing a kernel without AVX-512 on a CPU that has it (seen: Haswell's
+// AVX2 kernel at half the sgemm rate of the Cooperlake kernel OpenBLAS picks
+// itself on the same Zen 5 core). The yardstick's OpenBLAS row and the torch
+// rows, whose BLAS is OpenBLAS, then understate the peer.
+std::string openblas_strength_warning() {
+  std::string core = openblas_get_corename();
+  std::transform(core.begin(), core.end(), core.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  const bool wide_kernel = core.find("skylakex") != std::string::npos || core.find("cooperlake") != std::string::npos ||
+                           core.find("sapphirerapids") != std::string::npos;
+  if (wide_kernel || !std::getenv("OPENBLAS_CORETYPE") || !__builtin_cpu_supports("avx512f")) return "";
+  return "OPENBLAS_CORETYPE=" + env_or("OPENBLAS_CORETYPE", "") + " forces OpenBLAS's " + openblas_get_corename() +
+         " kernel on a CPU with AVX-512, so the OpenBLAS yardstick and the torch rows are not the strongest peer; "
+         "for those tables, run: env -u OPENBLAS_CORETYPE headmix_suite --only=yardstick (and --only=torch)";
+}
+#endif
+
 json make_context(const Plan& plan, const std::string& malloc_setup) {
   json c;
   c["mode"] = plan.mode;
@@ -772,6 +791,7 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
 #endif
 #ifdef HEADMIX_BENCH_OPENBLAS
   c["openblas"] = std::string(openblas_get_config()) + "; core kernel " + openblas_get_corename();
+  if (const std::string warning = openblas_strength_warning(); !warning.empty()) c["openblas_warning"] = warning;
 #else
   c["openblas"] = "not linked (install libopenblas-dev for the OpenBLAS yardstick)";
 #endif
@@ -839,6 +859,8 @@ int main(int argc, char** argv) try {
   suite.print_tables();
   std::printf("Load average (1, 5, 15 min) at start: %s; at end: %s\n",
               context["loadavg_start"].get<std::string>().c_str(), context["loadavg_end"].get<std::string>().c_str());
+  if (context.contains("openblas_warning"))
+    std::printf("Warning: %s\n", context["openblas_warning"].get<std::string>().c_str());
   if (!json_path.empty()) {
     std::ofstream out(json_path);
     out << suite.to_json(context).dump(1) << "\n";
