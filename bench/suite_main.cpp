@@ -113,7 +113,7 @@ Plan make_plan(const std::string& mode) {
     p.lengths = {256, 512, 1024, 2048, 4096};
     p.variant_threads = {1, 2};
     p.thread_lengths = p.lengths;
-    p.yardstick_lengths = p.lengths;
+    p.yardstick_lengths = {256, 512, 1024, 2048, 4096, 16384};  // MHA's rate must hold at long T too
     p.torch_lengths = p.lengths;
     p.torch_lengths_2t = p.lengths;
     p.decode_lengths = {512, 2048, 8192};
