@@ -767,7 +767,12 @@ std::string openblas_strength_warning() {
   std::transform(core.begin(), core.end(), core.begin(), [](unsigned char ch) { return std::tolower(ch); });
   const bool wide_kernel = core.find("skylakex") != std::string::npos || core.find("cooperlake") != std::string::npos ||
                            core.find("sapphirerapids") != std::string::npos;
-  if (wide_kernel || !std::getenv("OPENBLAS_CORETYPE") || !__builtin_cpu_supports("avx512f")) return "";
+#if defined(__x86_64__) || defined(__i386__)
+  const bool cpu_has_avx512 = __builtin_cpu_supports("avx512f");
+#else
+  const bool cpu_has_avx512 = false;
+#endif
+  if (wide_kernel || !std::getenv("OPENBLAS_CORETYPE") || !cpu_has_avx512) return "";
   return "OPENBLAS_CORETYPE=" + env_or("OPENBLAS_CORETYPE", "") + " forces OpenBLAS's " + openblas_get_corename() +
          " kernel on a CPU with AVX-512, so the OpenBLAS yardstick and the torch rows are not the strongest peer; "
          "for those tables, run: env -u OPENBLAS_CORETYPE headmix_suite --only=yardstick (and --only=torch)";
