@@ -622,24 +622,36 @@ double inf_norm(const Matrix<T>& w) {
 
 // A bfloat16 cache stores K and V rounded to nearest even and computes the
 // rest as a full-precision cache does: steps equal naive double loops whose
-// K and V are so rounded, to double's tolerance.
+// K and V are so rounded, to double's tolerance (a full cache: the loops
+// as they stand). The head sizes reach every branch of a one-row step:
+// dk = 3 and 11 (key rows eight at a time, and the rows left over), dv = 5
+// and 70 (a bfloat16 readout's full 64-column chunk, and a narrower one).
 TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
   const Index T_ = 11;
-  for (int kv_heads : {4, 2, 1}) {
-    const auto p = gqa_problem<double>(kv_heads, 1, T_, 12, 3, 5, 7, 61);
-    const headmix::Mha<double> layer = p.layer();
-    const Tensor<double> x = query_tensor<variants::Mha>(p);
-    const Tensor<double> y = decode(layer, x, {1}, 0, CachePrecision::bfloat16).out;
-    const NaiveDecode want = naive_causal_mha(layer, x.data(), T_, round_to_bfloat16);
-    const NaiveDecode unrounded = naive_causal_mha(layer, x.data(), T_, [](double e) { return e; });
-    double worst = 0, rounding = 0;
-    for (Index i = 0; i < y.size(); ++i) {
-      worst = std::max(worst, std::abs(y[i] - want.y[i]) / (1 + std::abs(want.y[i])));
-      rounding = std::max(rounding, std::abs(want.y[i] - unrounded.y[i]));
+  const auto identity = [](double e) { return e; };
+  for (auto [dk, dv] : {std::pair{3, 5}, std::pair{11, 70}})
+    for (int kv_heads : {4, 2, 1}) {
+      const auto p = gqa_problem<double>(kv_heads, 1, T_, 12, dk, dv, 7, 61);
+      const headmix::Mha<double> layer = p.layer();
+      const Tensor<double> x = query_tensor<variants::Mha>(p);
+      const NaiveDecode unrounded = naive_causal_mha(layer, x.data(), T_, identity);
+      for (CachePrecision precision : {CachePrecision::full, CachePrecision::bfloat16}) {
+        const bool half = precision == CachePrecision::bfloat16;
+        const Tensor<double> y = decode(layer, x, {1}, 0, precision).out;
+        const NaiveDecode want = half ? naive_causal_mha(layer, x.data(), T_, round_to_bfloat16) : unrounded;
+        double worst = 0, rounding = 0;
+        for (Index i = 0; i < y.size(); ++i) {
+          worst = std::max(worst, std::abs(y[i] - want.y[i]) / (1 + std::abs(want.y[i])));
+          rounding = std::max(rounding, std::abs(want.y[i] - unrounded.y[i]));
+        }
+        const std::string what = "dk " + std::to_string(dk) + " dv " + std::to_string(dv) + " kv_heads " +
+                                 std::to_string(kv_heads) + (half ? " bfloat16" : " full");
+        EXPECT_LE(worst, 1e-12) << what;
+        if (half) {
+          EXPECT_GT(rounding, 1e-6) << what << ": the rounding must be visible for this test to mean anything";
+        }
+      }
     }
-    EXPECT_LE(worst, 1e-12) << "kv_heads " << kv_heads;
-    EXPECT_GT(rounding, 1e-6) << "the rounding must be visible for this test to mean anything";
-  }
 }
 
 // Against the full-precision cache, in float: within the stated bound
