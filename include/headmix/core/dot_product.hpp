@@ -235,9 +235,9 @@ struct DotProductStages {
   // o [cols] = one query's scores over a cache's K_hᵀ rows at `from`, read
   // whole eight rows at a time (widened in registers if bfloat16), the
   // scores in L1 meanwhile. Eight streams keep more reads in flight than
-  // one row at a time (a step ran 1.15-1.25x faster, float and bfloat16;
-  // sixteen were slower on float), and each score still adds its products
-  // in the order d = 0, 1, ..., so its bits are those of one row at a time.
+  // one row at a time (a step took 0.76-0.91x its time, float and
+  // bfloat16; sixteen were slower on float), and each score still adds its
+  // products in the order d = 0, 1, ..., the arithmetic of one row at a time.
   // A GEMM tile would read 64 rows at once, more streams than the hardware
   // prefetchers follow, and a step is bound by this read. (Several query
   // rows, a KV group's heads, stay on the GEMM: streaming them was slower,
