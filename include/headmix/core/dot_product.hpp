@@ -236,8 +236,9 @@ struct DotProductStages {
   // whole eight rows at a time (widened in registers if bfloat16), the
   // scores in L1 meanwhile. Eight streams keep more reads in flight than
   // one row at a time (a step took 0.76-0.91x its time, float and
-  // bfloat16; sixteen were slower on float), and each score still adds its
-  // products in the order d = 0, 1, ..., the arithmetic of one row at a time.
+  // bfloat16; sixteen, as a loop over the rows, ran slower on float), and
+  // each score still adds its products in the order d = 0, 1, ..., the
+  // arithmetic of one row at a time.
   // A GEMM tile would read 64 rows at once, more streams than the hardware
   // prefetchers follow, and a step is bound by this read. (Several query
   // rows, a KV group's heads, stay on the GEMM: streaming them was slower,
