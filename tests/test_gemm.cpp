@@ -2,9 +2,11 @@
 // JIT kernels when built with them, else Eigen's), against a naive double
 // loop: edge tiles, k past one slice, strided blocks, accumulation, empty
 // shapes; and bit-identical results wherever the operands sit in memory and
-// whether B is packed.
+// whether B is packed. Also the one-row products of decoding steps
+// (row_product.hpp), float and bfloat16 rows, against the same loop.
 #include <headmix/core/gemm.hpp>
 #include <headmix/core/linear.hpp>
+#include <headmix/core/row_product.hpp>
 
 #include "test_util.hpp"
 
@@ -178,6 +180,60 @@ TYPED_TEST(GemmTyped, LinearAppliesPreparedAndUnpreparedWeights) {
   lin.prepare();
   lin.apply(x, y);
   expect_close<T>(y, want, 300);
+}
+
+// A step's readout, one row of weights times n value rows: every part
+// boundary (n below, at and past multiples of 4), full 64-column chunks and
+// the columns past them, rows wider than the product (a head's slice of a
+// cache row), accumulating or not; and from bfloat16 rows, against the same
+// loop on the widened values.
+TYPED_TEST(GemmTyped, OneRowTimesStoredRowsMatchesNaiveProduct) {
+  using T = TypeParam;
+  std::mt19937 rng(19);
+  for (const Index n : {0, 1, 3, 4, 5, 7, 64, 257, 1023})
+    for (const Index width : {1, 16, 63, 64, 65, 128, 150})
+      for (bool accumulate : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " width=" << width << " accumulate=" << accumulate);
+        const Index stride = width + 3;
+        const Matrix<T> w = random_matrix<T>(1, n, rng), stored = random_matrix<T>(n, stride, rng);
+        const Matrix<T> c0 = random_matrix<T>(1, width + 2, rng);
+        const auto rows = stored.leftCols(width);
+        Matrix<T> c = c0;
+        multiply_rows(w, rows, c.leftCols(width), accumulate);
+        expect_close<T>(c.leftCols(width), naive_product(w, rows, c0.leftCols(width), accumulate), n);
+        EXPECT_EQ(c.rightCols(2), c0.rightCols(2)) << "columns past the product are written";
+
+        std::vector<Eigen::bfloat16> half(n * stride);
+        Matrix<T> widened(n, width);
+        for (Index i = 0; i < n; ++i)
+          for (Index j = 0; j < stride; ++j) {
+            half[i * stride + j] = Eigen::bfloat16(float(stored(i, j)));
+            if (j < width) widened(i, j) = static_cast<T>(float(half[i * stride + j]));
+          }
+        c = c0;
+        accumulate_rows(w.data(), half.data(), n, stride, width, c.data(), accumulate);
+        expect_close<T>(c.leftCols(width), naive_product(w, widened, c0.leftCols(width), accumulate), n);
+        EXPECT_EQ(c.rightCols(2), c0.rightCols(2)) << "columns past the product are written (bfloat16)";
+      }
+}
+
+// The readout's sums are ordered by the number of rows alone: the same
+// product from rows at other addresses gives the same bits.
+TYPED_TEST(GemmTyped, OneRowProductBitIdenticalAtAnyAddress) {
+  using T = TypeParam;
+  std::mt19937 rng(23);
+  const Index n = 301, width = 64;
+  const Matrix<T> w = random_matrix<T>(1, n, rng), rows0 = random_matrix<T>(n, width, rng);
+  Matrix<T> c0(1, width);
+  multiply_rows(w, rows0, c0, false);
+  for (Index shift = 1; shift < 4; ++shift) {
+    std::vector<T> buf(n * width + shift);
+    MatrixMap<T> rows(buf.data() + shift, n, width);
+    rows = rows0;
+    Matrix<T> c(1, width);
+    multiply_rows(w, rows, c, false);
+    EXPECT_EQ(c, c0) << "rows shifted by " << shift << " elements";
+  }
 }
 
 }  // namespace

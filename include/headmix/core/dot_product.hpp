@@ -16,86 +16,22 @@
 // every block's product reads contiguous runs. A decoding step reads them
 // from the cache (reading()), which stores K_hᵀ row by row (a step appends
 // a column to every row) and V_h alike, in bfloat16 when the cache holds
-// them so: a step's one query row reads the stored rows one at a time,
-// multiplying (and widening, in registers) as it goes; several rows
-// (grouped heads, a prompt) run GEMMs, on bfloat16 blocks widened into
-// worker scratch just before their product.
+// them so: a step's one query row streams over the stored rows,
+// multiplying (and widening, in registers) as it goes (stream_key_rows;
+// row_product.hpp for V); several rows (grouped heads, a prompt) run GEMMs,
+// on bfloat16 blocks widened into worker scratch just before their product.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
 #include "headmix/core/parallel.hpp"
+#include "headmix/core/row_product.hpp"
 #include "headmix/core/sequence_cache.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
 
 #include <algorithm>
-#include <cstdint>
-#include <cstring>
 
 namespace headmix {
-
-/// A bfloat16's bits as the float whose top 16 bits they are: widening is a
-/// shift, which compilers vectorise (Eigen 3.4's cast converted value by
-/// value: steps took twice as long).
-inline float bfloat16_bits_to_float(std::uint16_t bits) {
-  const std::uint32_t word = std::uint32_t(bits) << 16;
-  float value;
-  std::memcpy(&value, &word, sizeof value);
-  return value;
-}
-
-/// *p as a T, from a T or from bfloat16 bits.
-template <class T>
-T widened(const T* p) {
-  return *p;
-}
-template <class T>
-T widened(const std::uint16_t* p) {
-  return static_cast<T>(bfloat16_bits_to_float(*p));
-}
-
-inline const std::uint16_t* bfloat16_bits(const Eigen::bfloat16* in) { return reinterpret_cast<const std::uint16_t*>(in); }
-
-/// out[i] = in[i] for n bfloat16 values.
-template <class T>
-void widen_bfloat16(const Eigen::bfloat16* in, Index n, T* out) {
-  const std::uint16_t* bits = bfloat16_bits(in);
-  for (Index i = 0; i < n; ++i) out[i] = static_cast<T>(bfloat16_bits_to_float(bits[i]));
-}
-
-/// sum[j] += Σ_i weights[i] · rows[i · width + j] for j < m (M: m known
-/// when compiled, or 0 when not), each bfloat16 row widened in registers.
-template <Index M, class T>
-void add_bfloat16_rows(const T* weights, const std::uint16_t* rows, Index n, Index width, Index m, T* sum) {
-  for (Index i = 0; i < n; ++i) {
-    const T a = weights[i];
-    const std::uint16_t* row = rows + i * width;
-    for (Index j = 0; j < (M > 0 ? M : m); ++j) sum[j] += a * static_cast<T>(bfloat16_bits_to_float(row[j]));
-  }
-}
-
-/// out[j] (+)= Σ_i weights[i] · rows[i · width + j] over n bfloat16 rows of
-/// `width` values: one query's readout from a bfloat16 cache, each stored
-/// row widened in registers as it streams past (in chunks of 64 columns),
-/// where widening a block first would write and reread it. A full chunk
-/// keeps its sums in registers (a fixed trip count); a variable one kept
-/// them on the stack, a store and reload per row (the step ran ~4% slower).
-template <class T>
-void accumulate_bfloat16_rows(const T* weights, const Eigen::bfloat16* rows, Index n, Index width, T* out,
-                              bool accumulate) {
-  constexpr Index kChunk = 64;
-  const std::uint16_t* bits = bfloat16_bits(rows);
-  for (Index j0 = 0; j0 < width; j0 += kChunk) {
-    const Index m = std::min(kChunk, width - j0);
-    T sum[kChunk];
-    for (Index j = 0; j < m; ++j) sum[j] = accumulate ? out[j0 + j] : T(0);
-    if (m == kChunk)
-      add_bfloat16_rows<kChunk>(weights, bits + j0, n, width, m, sum);
-    else
-      add_bfloat16_rows<0>(weights, bits + j0, n, width, m, sum);
-    std::copy_n(sum, m, out + j0);
-  }
-}
 
 template <class T>
 struct DotProductStages {
@@ -188,17 +124,15 @@ struct DotProductStages {
   }
 
   /// out (+)= weights · V_{c / v_group}[k0 .. k0 + weights.cols()) of batch
-  /// item b: a GEMM over values(), or, for one query row over a bfloat16
-  /// cache (a decoding step), one pass over the stored rows.
+  /// item b (multiply_rows over values()), or, for one query row over a
+  /// bfloat16 cache (a decoding step), one streaming pass over the stored rows.
   template <class Weights, class Out>
   void multiply_values(const Weights& weights, Index b, Index c, Index k0, Out&& out, bool accumulate,
                        Workspace<T>& ws, int w) const {
-    if (v_half && weights.rows() == 1 && weights.innerStride() == 1 && out.innerStride() == 1) {
-      accumulate_bfloat16_rows(weights.data(), v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv,
-                               weights.cols(), dv, out.data(), accumulate);
-      return;
-    }
-    gemm(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate);
+    if (v_half && weights.rows() == 1 && weights.innerStride() == 1 && out.innerStride() == 1)
+      return accumulate_rows(weights.data(), v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv,
+                             weights.cols(), dv, dv, out.data(), accumulate);
+    multiply_rows(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate);
   }
 
  private:

@@ -46,6 +46,7 @@
 #include "headmix/core/mask.hpp"
 #include "headmix/core/online_softmax.hpp"
 #include "headmix/core/parallel.hpp"
+#include "headmix/core/row_product.hpp"
 #include "headmix/core/softmax.hpp"
 #include "headmix/core/workspace.hpp"
 
@@ -176,7 +177,7 @@ void read_values(const Policy& policy, const Weights& weights, Index b, Index c,
   if constexpr (multiplies_values<Policy, T>::value)
     policy.multiply_values(weights, b, c, k0, std::forward<Out>(out), accumulate, ws, w);
   else
-    gemm(weights, policy.values(b, c, k0, weights.cols(), ws, w), out, accumulate);
+    multiply_rows(weights, policy.values(b, c, k0, weights.cols(), ws, w), out, accumulate);
 }
 
 /// One query row of every head, `group` heads at a time stacked as the rows

@@ -1,0 +1,142 @@
+// One query row times stored rows, the readout of a decoding step, and how
+// a cache's bfloat16 values become T.
+//
+// A step multiplies one row of weights by every value row of a head
+// ([keys, dv]): a matrix-vector product bound by reading the rows. Read as
+// four quarters at once, each into sums of its own (as the bench's read
+// yardstick reads), 16 heads' V at S = 8192 (32 MiB) took 0.78-0.87x the
+// time of libxsmm's one-row GEMM on the AMD VM of
+// docs/bench/reproducibility.md (medians of 300, three alternating rounds,
+// twice). The quarters' sums add in a fixed order: a result depends on
+// the number of rows only, never on a thread count.
+#pragma once
+
+#include "headmix/core/gemm.hpp"
+#include "headmix/core/types.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace headmix {
+
+/// A bfloat16's bits as the float whose top 16 bits they are: widening is a
+/// shift, which compilers vectorise (Eigen 3.4's cast converted value by
+/// value: steps took twice as long).
+inline float bfloat16_bits_to_float(std::uint16_t bits) {
+  const std::uint32_t word = std::uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof value);
+  return value;
+}
+
+/// *p as a T, from a T or from bfloat16 bits.
+template <class T>
+T widened(const T* p) {
+  return *p;
+}
+template <class T>
+T widened(const std::uint16_t* p) {
+  return static_cast<T>(bfloat16_bits_to_float(*p));
+}
+
+inline const std::uint16_t* bfloat16_bits(const Eigen::bfloat16* in) { return reinterpret_cast<const std::uint16_t*>(in); }
+
+/// out[i] = in[i] for n bfloat16 values.
+template <class T>
+void widen_bfloat16(const Eigen::bfloat16* in, Index n, T* out) {
+  const std::uint16_t* bits = bfloat16_bits(in);
+  for (Index i = 0; i < n; ++i) out[i] = static_cast<T>(bfloat16_bits_to_float(bits[i]));
+}
+
+namespace detail {
+
+/// sum[j] += Σ_i weights[i] · rows[i · stride + j] for j < m (M: m known
+/// when compiled, or 0 when not), each bfloat16 row widened in registers.
+template <Index M, class T>
+void add_bfloat16_rows(const T* weights, const std::uint16_t* rows, Index n, Index stride, Index m, T* sum) {
+  for (Index i = 0; i < n; ++i) {
+    const T a = weights[i];
+    const std::uint16_t* row = rows + i * stride;
+    for (Index j = 0; j < (M > 0 ? M : m); ++j) sum[j] += a * static_cast<T>(bfloat16_bits_to_float(row[j]));
+  }
+}
+
+}  // namespace detail
+
+/// out [1, width] (+)= weights [1, n] · rows [n, width], rows `stride`
+/// values apart: four quarters of the rows stream at once, each part
+/// [p · q, (p + 1) · q), q = n / 4 (part 0 also the last n mod 4), into
+/// sums of its own in registers (fixed-size packets: scalar arrays went to
+/// the stack, a store and reload per row), which then add as (0 + 1) + (2 + 3).
+template <class T>
+void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Index width, T* out, bool accumulate) {
+  using Packet = Eigen::Array<T, 16, 1>;
+  constexpr int kParts = 4, kPackets = 4;  // 64 columns at a time
+  const Index q = n / kParts;
+  auto row = [&](Index r, Index j) { return Eigen::Map<const Packet>(rows + r * stride + j); };
+  auto finish = [&](Index j, T s0, T s1, T s2, T s3) {
+    const T sum = (s0 + s1) + (s2 + s3);
+    out[j] = accumulate ? out[j] + sum : sum;
+  };
+  Index j0 = 0;
+  for (; j0 + 16 * kPackets <= width; j0 += 16 * kPackets) {
+    Packet sums[kParts][kPackets];
+    for (auto& part : sums)
+      for (Packet& s : part) s.setZero();
+    for (Index i = 0; i < q; ++i)
+      for (int p = 0; p < kParts; ++p) {
+        const T a = weights[p * q + i];
+        for (int k = 0; k < kPackets; ++k) sums[p][k] += a * row(p * q + i, j0 + 16 * k);
+      }
+    for (Index r = kParts * q; r < n; ++r)
+      for (int k = 0; k < kPackets; ++k) sums[0][k] += weights[r] * row(r, j0 + 16 * k);
+    for (int k = 0; k < kPackets; ++k)
+      for (int j = 0; j < 16; ++j) finish(j0 + 16 * k + j, sums[0][k][j], sums[1][k][j], sums[2][k][j], sums[3][k][j]);
+  }
+  for (Index j = j0; j < width; ++j) {  // the last width mod 64 columns, one at a time
+    T parts[kParts] = {};
+    for (int p = 0; p < kParts; ++p)
+      for (Index i = p * q; i < (p + 1) * q; ++i) parts[p] += weights[i] * rows[i * stride + j];
+    for (Index r = kParts * q; r < n; ++r) parts[0] += weights[r] * rows[r * stride + j];
+    finish(j, parts[0], parts[1], parts[2], parts[3]);
+  }
+}
+
+/// The same from bfloat16 rows, half the bytes: one pass, each row widened
+/// in registers as it streams past (widening a block first would write and
+/// reread it; four quarters, widened so, ran 1.1-1.5x slower), 64 columns
+/// at a time. A full chunk keeps its sums in registers (a fixed trip
+/// count); a variable one kept them on the stack (the step ran ~4% slower).
+template <class T>
+void accumulate_rows(const T* weights, const Eigen::bfloat16* rows, Index n, Index stride, Index width, T* out,
+                     bool accumulate) {
+  constexpr Index kChunk = 64;
+  const std::uint16_t* bits = bfloat16_bits(rows);
+  for (Index j0 = 0; j0 < width; j0 += kChunk) {
+    const Index m = std::min(kChunk, width - j0);
+    T sum[kChunk];
+    for (Index j = 0; j < m; ++j) sum[j] = accumulate ? out[j0 + j] : T(0);
+    if (m == kChunk)
+      detail::add_bfloat16_rows<kChunk>(weights, bits + j0, n, stride, m, sum);
+    else
+      detail::add_bfloat16_rows<0>(weights, bits + j0, n, stride, m, sum);
+    std::copy_n(sum, m, out + j0);
+  }
+}
+
+/// out (+)= weights · values: one row of weights streams over the value
+/// rows (accumulate_rows), several run a GEMM.
+template <class Weights, class Values, class Out>
+void multiply_rows(const Weights& weights, const Values& values, Out&& out, bool accumulate) {
+  if constexpr (detail::row_major_direct<Weights>() && detail::row_major_direct<Values>() &&
+                detail::row_major_direct<std::decay_t<Out>>()) {
+    if (weights.rows() == 1 && weights.innerStride() == 1 && values.innerStride() == 1 && out.innerStride() == 1)
+      return accumulate_rows(weights.data(), values.data(), values.rows(), values.outerStride(), values.cols(),
+                             out.data(), accumulate);
+  }
+  gemm(weights, values, out, accumulate);
+}
+
+}  // namespace headmix
