@@ -106,7 +106,7 @@ void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Ind
 
 /// The same from bfloat16 rows, half the bytes: one pass, each row widened
 /// in registers as it streams past (widening a block first would write and
-/// reread it; four quarters, widened so, ran 1.1-1.5x slower), 64 columns
+/// reread it; four quarters, widened so, ran 1.1-2x slower), 64 columns
 /// at a time. A full chunk keeps its sums in registers (a fixed trip
 /// count); a variable one kept them on the stack (the step ran ~4% slower).
 template <class T>
