@@ -95,13 +95,20 @@ void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Ind
     for (int k = 0; k < kPackets; ++k)
       for (int j = 0; j < 16; ++j) finish(j0 + 16 * k + j, sums[0][k][j], sums[1][k][j], sums[2][k][j], sums[3][k][j]);
   }
-  for (Index j = j0; j < width; ++j) {  // the last width mod 64 columns, one at a time
-    T parts[kParts] = {};
-    for (int p = 0; p < kParts; ++p)
-      for (Index i = p * q; i < (p + 1) * q; ++i) parts[p] += weights[i] * rows[i * stride + j];
-    for (Index r = kParts * q; r < n; ++r) parts[0] += weights[r] * rows[r * stride + j];
-    finish(j, parts[0], parts[1], parts[2], parts[3]);
-  }
+  if (j0 == width) return;
+  // The last width mod 64 columns: the same parts and order in one more
+  // pass over the rows (a column at a time would reread every row per column).
+  const Index m = width - j0;
+  T sums[kParts][16 * kPackets] = {};
+  for (Index i = 0; i < q; ++i)
+    for (int p = 0; p < kParts; ++p) {
+      const T a = weights[p * q + i];
+      const T* r = rows + (p * q + i) * stride + j0;
+      for (Index j = 0; j < m; ++j) sums[p][j] += a * r[j];
+    }
+  for (Index r = kParts * q; r < n; ++r)
+    for (Index j = 0; j < m; ++j) sums[0][j] += weights[r] * rows[r * stride + j0 + j];
+  for (Index j = 0; j < m; ++j) finish(j0 + j, sums[0][j], sums[1][j], sums[2][j], sums[3][j]);
 }
 
 /// The same from bfloat16 rows, half the bytes: one pass, each row widened
