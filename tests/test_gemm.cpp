@@ -3,9 +3,11 @@
 // loop: edge tiles, k past one slice, strided blocks, accumulation, empty
 // shapes; and bit-identical results wherever the operands sit in memory and
 // whether B is packed. Also the one-row products of decoding steps
-// (row_product.hpp), float and bfloat16 rows, against the same loop.
+// (row_product.hpp), float and bfloat16 rows, against the same loop; and a
+// projection's tasks (project_rows).
 #include <headmix/core/gemm.hpp>
 #include <headmix/core/linear.hpp>
+#include <headmix/core/parallel.hpp>
 #include <headmix/core/row_product.hpp>
 
 #include "test_util.hpp"
@@ -180,6 +182,35 @@ TYPED_TEST(GemmTyped, LinearAppliesPreparedAndUnpreparedWeights) {
   lin.prepare();
   lin.apply(x, y);
   expect_close<T>(y, want, 300);
+}
+
+// A projection runs in tasks of 64 rows, or of 128 columns for at most 64
+// rows (project_rows): at and past those boundaries it gives x·Wᵀ + b, the
+// same bits on 1, 2 and 3 threads, and under libxsmm the bits of one
+// apply() over the whole input (column tasks start at panel boundaries).
+TYPED_TEST(GemmTyped, ProjectionTasksMatchNaiveProductOnAnyThreadCount) {
+  using T = TypeParam;
+  std::mt19937 rng(17);
+  const Index in = 70;
+  for (const Index out : {1, 127, 128, 129, 300})
+    for (const Index n : {1, 5, 64, 65, 130}) {
+      Linear<T> lin{random_matrix<T>(out, in, rng), random_matrix<T>(out, 1, rng).col(0)};
+      lin.prepare();
+      const Matrix<T> x = random_matrix<T>(n, in, rng);
+      Matrix<double> want = naive_product(x, Matrix<T>(lin.weight.transpose()), Matrix<T>(n, out), false);
+      want.rowwise() += lin.bias.template cast<double>().transpose();
+      Matrix<T> whole(n, out), one;
+      lin.apply(x, whole);
+      for (const int threads : {1, 2, 3}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " out=" + std::to_string(out) + " threads=" + std::to_string(threads));
+        Matrix<T> y = Matrix<T>::Constant(n, out, std::numeric_limits<T>::quiet_NaN());  // unwritten entries fail
+        project_rows<T>(lin, ConstMatrixMap<T>(x.data(), n, in), MatrixMap<T>(y.data(), n, out), threads);
+        expect_close<T>(y, want, in);
+        if (threads == 1) one = y;
+        EXPECT_EQ(y, one);
+        if (std::string(gemm_backend()) == "libxsmm") EXPECT_EQ(y, whole);
+      }
+    }
 }
 
 // A step's readout, one row of weights times n value rows: every part

@@ -44,14 +44,24 @@ struct Linear {
 
   /// `y = x · weightᵀ + bias` for the rows of `x`; `y` must already be [x.rows(), out].
   template <class In, class Out>
-  void apply(const Eigen::MatrixBase<In>& x, Eigen::MatrixBase<Out> const& y_) const {
+  void apply(const Eigen::MatrixBase<In>& x, Eigen::MatrixBase<Out> const& y) const {
+    HEADMIX_ASSERT(y.cols() == out_features());
+    apply_columns(x, 0, y);
+  }
+
+  /// Output columns [c0, c0 + y.cols()) of `x · weightᵀ + bias` into `y`.
+  /// From a multiple of 64 (a panel boundary of weight_packed), libxsmm
+  /// runs the tiles apply() would run there: the same bits.
+  template <class In, class Out>
+  void apply_columns(const Eigen::MatrixBase<In>& x, Index c0, Eigen::MatrixBase<Out> const& y_) const {
     auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
-    HEADMIX_ASSERT(x.cols() == in_features() && y.rows() == x.rows() && y.cols() == out_features());
+    const Index n = y.cols();
+    HEADMIX_ASSERT(x.cols() == in_features() && y.rows() == x.rows() && c0 >= 0 && c0 + n <= out_features());
     if (weight_packed.rows() == in_features() && weight_packed.cols() == out_features())
-      gemm(x, weight_packed, y);
+      gemm(x, weight_packed.panels().middle_cols(c0, n), y);
     else
-      y.noalias() = x * weight.transpose();
-    if (has_bias()) y.rowwise() += bias.transpose();
+      y.noalias() = x * weight.middleRows(c0, n).transpose();
+    if (has_bias()) y.rowwise() += bias.segment(c0, n).transpose();
   }
 
   /// Validate against an expected [out, in]; the bias, if any, must be [out].

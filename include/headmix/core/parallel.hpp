@@ -136,15 +136,22 @@ void parallel_for(Index tasks, int threads, Fn&& fn) {
   if (error) std::rethrow_exception(error);
 }
 
-/// `out = in · Wᵀ + b` over many rows, in fixed chunks of rows so that the
-/// GEMM shapes (and so the results) do not depend on the thread count.
+/// `out = in · Wᵀ + b` in tasks of 64 rows, or, for at most 64 rows (a
+/// decoding step, a short chunk), of 128 output columns (two of the GEMM's
+/// 64-column panels). The tasks are fixed by the shapes, so the GEMMs, and
+/// the results, do not depend on the thread count, and a short input still
+/// gives every thread work: tasks of 256 rows left the second thread idle
+/// at T = 256. Row tasks keep their full width: splitting the columns of
+/// long inputs too ran 1-2% slower.
 template <class T, class LinearT>
 void project_rows(const LinearT& linear, const Eigen::Map<const Matrix<T>>& in, Eigen::Map<Matrix<T>> out, int threads) {
-  constexpr Index chunk = 256;
-  const Index n = in.rows();
-  parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
-    const Index r0 = c * chunk, rows = std::min(chunk, n - r0);
-    linear.apply(in.middleRows(r0, rows), out.middleRows(r0, rows));
+  constexpr Index row_chunk = 64;
+  const Index n = in.rows(), cols = out.cols();
+  const Index col_chunk = n > row_chunk ? std::max<Index>(1, cols) : 128, col_tasks = (cols + col_chunk - 1) / col_chunk;
+  parallel_for((n + row_chunk - 1) / row_chunk * std::max<Index>(1, col_tasks), threads, [&](Index task, int) {
+    const Index r0 = task / col_tasks * row_chunk, c0 = task % col_tasks * col_chunk;
+    const Index rows = std::min(row_chunk, n - r0), width = std::min(col_chunk, cols - c0);
+    linear.apply_columns(in.middleRows(r0, rows), c0, out.block(r0, c0, rows, width));
   });
 }
 

@@ -314,11 +314,15 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
   // before the next group: consecutive tasks then read the same K_h and V_h,
   // which stay in L2 at moderate lengths instead of being fetched again from
   // L3 for every block. Heads that mix share each block's tile: one task.
+  // Blocks are handed out last first: under a causal mask a later block sees
+  // more keys, and with the largest tasks taken first the threads finish
+  // together, where a last large task would run alone at the end.
   const Index group_heads = std::clamp<Index>(kv_sharing_heads(policy), 1, std::max<Index>(1, hv));
   const Index head_tasks = mixes ? 1 : (hv + group_heads - 1) / group_heads;
   parallel_for(head_tasks * run.batch * blocks, run.threads, [&](Index task, int w) {
     const Index head_task = task / (run.batch * blocks), item_block = task % (run.batch * blocks);
-    const Index b = item_block / blocks, q0 = (item_block % blocks) * block, rows = std::min(block, T_ - q0);
+    const Index b = item_block / blocks, q0 = (blocks - 1 - item_block % blocks) * block;
+    const Index rows = std::min(block, T_ - q0);
     const auto keys = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
     const Index k0 = keys.first, k1 = keys.second;
     const Index cols = k1 - k0;

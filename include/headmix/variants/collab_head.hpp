@@ -107,7 +107,7 @@ struct CollabLayerNorm {
   /// split gives the same bits); y is scratch and may be `out`. Public for a
   /// head-parallel layer, which applies it after summing its heads.
   void apply(const ConstMatrixMap<T>& xq, MatrixMap<T>& y, MatrixMap<T> out, int threads) const {
-    constexpr Index chunk = 256;
+    constexpr Index chunk = 64;  // as project_rows: a short input still splits
     const Index n = y.rows();
     const T e = static_cast<T>(eps), inv_width = T(1) / static_cast<T>(y.cols());
     parallel_for((n + chunk - 1) / chunk, threads, [&](Index c, int) {
