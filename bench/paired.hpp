@@ -27,6 +27,17 @@
 // charged to whichever side runs next. A comparison with a multi-threaded
 // side takes wall time: its latency is the point.
 //
+// A comparison on the CPU clock also keeps the calling thread on one CPU
+// (PairSettings::cpu) while it runs, so that both sides of every pair run
+// on the same core. The two vCPUs of the VM in docs/bench/reproducibility.md
+// are not alike: pinned there, the same forward call took 3-4% longer on
+// the second, whose read bandwidth moved between 28 and 37 GB/s from one
+// process to the next where the first held 41-43. Unpinned, three runs of
+// the decoding table in a row differed by up to 58-74% in a ratio; pinned,
+// by up to 19-37% (the rest is the host's memory contention). Threads that
+// multi-threaded rows start are not affected: the calling thread is pinned
+// only while a one-thread comparison is timed.
+//
 // A side that leaves threads spinning declares a settle time; the
 // comparison then pauses that long before each repetition of either side,
 // so that no repetition shares the cores with the other side's idle spin.
@@ -34,6 +45,9 @@
 
 #include <sys/resource.h>
 #include <time.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -53,7 +67,52 @@ struct PairSettings {
   double budget_seconds = 1.5;  // keep adding pairs (up to max_pairs) until then
   double min_rep_seconds = 0.03;  // a repetition is at least this long
   double flag_spread = 0.10;      // quartiles beyond ±10% of the median
+  int cpu = -1;                   // CPU-clock comparisons run pinned to this CPU; -1: not pinned
 };
+
+/// While alive, keeps the calling thread on CPU `cpu` (none if cpu < 0),
+/// then gives it back the CPUs it had. Linux only; elsewhere it does nothing.
+class PinnedThread {
+ public:
+  explicit PinnedThread(int cpu) {
+#ifdef __linux__
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof saved_, &saved_) != 0) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    pinned_ = sched_setaffinity(0, sizeof one, &one) == 0;
+#else
+    (void)cpu;
+#endif
+  }
+  ~PinnedThread() {
+#ifdef __linux__
+    if (pinned_) sched_setaffinity(0, sizeof saved_, &saved_);
+#endif
+  }
+  PinnedThread(const PinnedThread&) = delete;
+  PinnedThread& operator=(const PinnedThread&) = delete;
+  bool pinned() const { return pinned_; }
+
+ private:
+#ifdef __linux__
+  cpu_set_t saved_;
+#endif
+  bool pinned_ = false;
+};
+
+/// The CPUs the calling thread may run on, in increasing order (empty where
+/// that is not known).
+inline std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+#endif
+  return cpus;
+}
 
 /// One side of a comparison: a name and a call that does one unit of work
 /// (one forward, one decoding step, one GEMM) on state it owns.
@@ -171,6 +230,7 @@ inline int warm(const Side& s, const PairSettings& set) {
 /// Alternate A and B (A B, B A, A B, ...) and summarize the per-pair
 /// ratios scale · time(A) / time(B) on `clock`.
 inline PairedResult compare(const Side& a, const Side& b, const PairSettings& set, Clock clock, double scale = 1) {
+  const PinnedThread pin(clock == Clock::cpu ? set.cpu : -1);
   const auto t0 = detail::Steady::now();
   PairedResult r;
   r.clock = clock;
@@ -204,8 +264,10 @@ inline PairedResult compare(const Side& a, const Side& b, const PairSettings& se
 }
 
 /// One side alone (a time with no partner, e.g. LSH where dense attention
-/// does not fit): warmed, then at least min_pairs repetitions.
-inline SideTimes series(const Side& s, const PairSettings& set) {
+/// does not fit): warmed, then at least min_pairs repetitions; pinned as
+/// compare() pins when read on the CPU clock.
+inline SideTimes series(const Side& s, const PairSettings& set, Clock clock) {
+  const PinnedThread pin(clock == Clock::cpu ? set.cpu : -1);
   SideTimes t;
   t.label = s.label;
   t.calls_per_rep = detail::warm(s, set);

@@ -18,7 +18,10 @@
 //   6. sliding windows: a causal layer with window W at a long T over the
 //      same at a short T (cost O(T · W)).
 //
-//   headmix_suite [--mode=default|full|smoke] [--json=results.json] [--only=<table>]
+//   headmix_suite [--mode=default|full|smoke] [--json=results.json] [--only=<table>] [--cpu=N|none]
+//
+// --cpu: the CPU one-thread comparisons run pinned to (paired.hpp); by
+// default the first this process may use, `none` to leave them unpinned.
 //
 // The JSON holds every comparison with its per-pair times; bench/plot.py
 // draws latency against sequence length from it.
@@ -588,9 +591,9 @@ class Suite {
         for (bool causal : {false, true})
           for (int threads : {1, 2}) {
             const LayerShape s{D, H, causal, threads};
-            const bench::SideTimes t = bench::series(variant_side("LSH", s, T).first, plan_.settings);
-            json p = layer_params(s, T);
             const bench::Clock clock = threads == 1 ? bench::Clock::cpu : bench::Clock::wall;
+            const bench::SideTimes t = bench::series(variant_side("LSH", s, T).first, plan_.settings, clock);
+            json p = layer_params(s, T);
             alone_.push_back(
                 {{"table", "alone"}, {"params", p}, {"clock", bench::clock_name(clock)}, {"a", side_json(t, clock)}});
             std::printf("  %-10s %-34s %-44s %3zu reps\n", "alone", "LSH", (shape_text(p)).c_str(), t.seconds.size());
@@ -825,6 +828,10 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
   c["clock"] = "cpu (the calling thread's CPU time) for comparisons whose sides both run on it, wall otherwise; "
                "multi-threaded torch rows pause " + std::to_string(kSpinSettleSeconds) +
                " s before each repetition, until OpenBLAS's idle workers stop spinning";
+  c["pinning"] = plan.settings.cpu < 0
+                     ? std::string("none: one-thread comparisons run wherever the scheduler puts them")
+                     : "one-thread comparisons: the calling thread pinned to CPU " + std::to_string(plan.settings.cpu) +
+                           " while timed (--cpu=N to choose, --cpu=none for no pinning); multi-threaded rows unpinned";
   c["pairs"] = {{"min_pairs", plan.settings.min_pairs},
                 {"max_pairs", plan.settings.max_pairs},
                 {"budget_seconds", plan.settings.budget_seconds},
@@ -837,18 +844,41 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
   return c;
 }
 
+// The CPU one-thread comparisons run on: --cpu's value ("none": -1), by
+// default the first CPU this process may use (-1 where none is known or
+// pinning fails, e.g. in a container that forbids it).
+int pinning_cpu(const std::string& arg) {
+  const std::vector<int> allowed = bench::allowed_cpus();
+  if (arg == "none") return -1;
+  if (arg.empty()) return !allowed.empty() && bench::PinnedThread(allowed.front()).pinned() ? allowed.front() : -1;
+  std::size_t used = 0;
+  int cpu = -1;
+  try {
+    cpu = std::stoi(arg, &used);
+  } catch (const std::exception&) {
+  }
+  if (used != arg.size() || std::find(allowed.begin(), allowed.end(), cpu) == allowed.end() ||
+      !bench::PinnedThread(cpu).pinned()) {
+    std::string list;
+    for (int c : allowed) list += (list.empty() ? "" : " ") + std::to_string(c);
+    throw std::invalid_argument("--cpu must be none or a CPU this process may run on (" + list + "), not '" + arg + "'");
+  }
+  return cpu;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::string mode = "default", json_path, only;
+  std::string mode = "default", json_path, only, cpu;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a.rfind("--mode=", 0) == 0) mode = a.substr(7);
     else if (a.rfind("--json=", 0) == 0) json_path = a.substr(7);
     else if (a.rfind("--only=", 0) == 0) only = a.substr(7);
+    else if (a.rfind("--cpu=", 0) == 0) cpu = a.substr(6);
     else {
       std::fprintf(stderr, "usage: headmix_suite [--mode=default|full|smoke] [--json=results.json] "
-                           "[--only=vs_mha|threads|yardstick|torch|decode|window|alone]\n");
+                           "[--only=vs_mha|threads|yardstick|torch|decode|window|alone] [--cpu=N|none]\n");
       return 2;
     }
   }
@@ -862,6 +892,7 @@ int main(int argc, char** argv) try {
     throw std::invalid_argument("--only must name a table (vs_mha, threads, yardstick, torch, decode, window, alone), not '" +
                                 only + "'");
   plan.only = only;
+  plan.settings.cpu = pinning_cpu(cpu);
   json context = make_context(plan, malloc_setup);
   context["loadavg_start"] = first_line_of("/proc/loadavg");
   std::printf("headmix benchmark suite, mode %s\n", mode.c_str());
