@@ -27,6 +27,7 @@
 
 #include "headmix/core/attention_tensor.hpp"
 #include "headmix/core/error.hpp"
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
 
@@ -142,11 +143,11 @@ void hash_head(const HeadJob<T>& job, const LshLayout& L, Workspace<T>& ws, int 
   for (Index p0 = 0; p0 < T_; p0 += kRows) {
     const Index rows = std::min(kRows, T_ - p0);
     const ConstStridedMap<T> qk(job.qk + p0 * job.qk_stride, rows, dh, Eigen::OuterStride<>(job.qk_stride));
-    U.topRows(rows).noalias() = qk * A;
+    gemm(qk, A, U.topRows(rows));
     for (Index q = 0; q < rows; ++q) assign(q, p0 + q);
   }
   if (Tp > T_) {
-    U.topRows(1).noalias() = ConstMatrixMap<T>(job.qk_pad, 1, dh) * A;
+    gemm(ConstMatrixMap<T>(job.qk_pad, 1, dh), A, U.topRows(1));
     assign(0, T_);
     for (Index r = 0; r < L.n_hashes; ++r) std::fill(bucket + r * Tp + T_ + 1, bucket + (r + 1) * Tp, bucket[r * Tp + T_]);
   }
@@ -216,10 +217,11 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
     std::fill(kscale + T_, kscale + Tp, pad_scale);
   }
 
-  // Chunk buffers: rows [0, bs) hold chunk c, rows [bs, 2bs) chunk c − 1;
+  // Chunk buffers: key slots [0, bs) hold chunk c, [bs, 2bs) chunk c − 1,
+  // as the columns of Kᵀ (the layout the GEMM multiplies) and the rows of V;
   // Q holds the computed queries of chunk c, whose slots are query_rows[0, n).
   MatrixMap<T> Q(ws.local(worker, s_query, bs * dh), bs, dh);
-  MatrixMap<T> K(ws.local(worker, s_key, 2 * bs * dh), 2 * bs, dh);
+  MatrixMap<T> Kt(ws.local(worker, s_key, dh * 2 * bs), dh, 2 * bs);
   MatrixMap<T> V(ws.local(worker, s_value, 2 * bs * dv), 2 * bs, dv);
   Int* key_meta = local_ints(ws, worker, s_key_meta, 6 * bs);
   Int* key_pos = key_meta;             // position of each key slot
@@ -240,7 +242,7 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
     for (Index q = 0; q < bs; ++q) {
       const Index s = c * bs + q, p = pos[s], r = s / Tp;
       const T* v = p < T_ ? job.v + p * job.v_stride : job.v_pad;
-      K.row(off + q) = qk_row(p) * kscale[p];
+      Kt.col(off + q) = (qk_row(p) * kscale[p]).transpose();
       V.row(off + q) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(v, dv);
       key_pos[off + q] = static_cast<Int>(p);
       key_bucket[off + q] = static_cast<Int>(r * NB + bucket[r * Tp + p]);
@@ -249,7 +251,7 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
   };
   // The previous chunk becomes the look-back half.
   auto shift = [&] {
-    std::copy_n(K.data(), bs * dh, K.data() + bs * dh);
+    for (Index d = 0; d < dh; ++d) std::copy_n(&Kt(d, 0), bs, &Kt(d, bs));
     std::copy_n(V.data(), bs * dv, V.data() + bs * dv);
     for (Int* meta : {key_pos, key_bucket, key_valid}) std::copy_n(meta, bs, meta + bs);
   };
@@ -371,19 +373,20 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
     loaded = c;
     for (Index k = 0; k < n; ++k) Q.row(k) = qk_row(key_pos[query_rows[k]]);
     // The tile's first n rows (all bs of them for the whole sequence). One
-    // row would go to Eigen's matrix-vector kernel, which sums in another
-    // order than the tile GEMM: then a copy of it rides along as row 2.
+    // row would go to a matrix-vector kernel on Eigen's GEMM (gemm.hpp),
+    // which sums in another order than the tile GEMM: then a copy of it
+    // rides along as row 2.
     const Index m = std::min(bs, std::max<Index>(n, 2));
     if (m > n) Q.row(1) = Q.row(0);
     const Index tile = keep_tiles ? c : 0;
     T* row_max = row_stats + 2 * tile * bs;
     T* row_sum = row_max + bs;
     MatrixMap<T> scores(logits.head(0).data(), m, 2 * bs), tile_weights(weights.head(tile).data(), m, 2 * bs);
-    scores.noalias() = MatrixMap<T>(Q.data(), m, dh) * K.transpose();  // score
+    gemm(MatrixMap<T>(Q.data(), m, dh), Kt, scores);  // score
     mask(scores, n);
     softmax(scores, tile_weights, row_max, row_sum, n);
     if (m > n) tile_weights.row(1) = tile_weights.row(0);
-    MatrixMap<T>(O.data(), m, dv).noalias() = tile_weights * V;  // readout
+    gemm(tile_weights, V, MatrixMap<T>(O.data(), m, dv));  // readout
     merge(row_max, row_sum, n);
   }
   for (Index p = r0; p < r1; ++p) context_row(p) *= T(1) / run_sum[p];
