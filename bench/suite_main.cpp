@@ -822,6 +822,8 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
   c["malloc"] = malloc_setup;
 #ifdef HEADMIX_BENCH_TORCH
   c["torch"] = bench::torch_rows::setup();
+  c["OMP_WAIT_POLICY"] = env_or("OMP_WAIT_POLICY", "(unset: libgomp's default, workers spin; torch's 2-thread rows are "
+                                                   "slower than they could be)");
 #else
   c["torch"] = "not built (install libtorch-dev and reconfigure for the PyTorch rows)";
 #endif
@@ -843,6 +845,27 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
       "R = D/2; DCMHA R = 2, K = 4H; LSH bucket 64, 4 hashes)";
   return c;
 }
+
+#ifdef HEADMIX_BENCH_TORCH
+// torch's OpenMP workers spin after each parallel region (libgomp's default
+// wait policy) on the core that OpenBLAS's second thread needs: at 2 threads
+// torch's fused path took 56-59 ms at T = 1024 and 24 ms at T = 256 with
+// them spinning, 45 and 7.0 ms with OMP_WAIT_POLICY=passive, its strongest
+// 2-thread setting measured (1 OpenMP and 2 OpenBLAS threads: 44-46 and
+// 6.9-7.5 ms, but 149-172 ms at T = 2048 against 147). libgomp reads the
+// policy when it loads, before main: so the suite runs itself again with it
+// set, unless the caller chose one.
+void use_passive_openmp(char** argv) {
+#ifdef __linux__
+  if (std::getenv("OMP_WAIT_POLICY")) return;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("OMP_WAIT_POLICY");  // exec failed: the default policy runs, and the header says so
+#else
+  (void)argv;
+#endif
+}
+#endif
 
 // The CPU one-thread comparisons run on: --cpu's value ("none": -1), by
 // default the first CPU this process may use (-1 where none is known or
@@ -869,6 +892,9 @@ int pinning_cpu(const std::string& arg) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+#ifdef HEADMIX_BENCH_TORCH
+  use_passive_openmp(argv);
+#endif
   std::string mode = "default", json_path, only, cpu;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
