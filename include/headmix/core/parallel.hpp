@@ -147,8 +147,9 @@ template <class T, class LinearT>
 void project_rows(const LinearT& linear, const Eigen::Map<const Matrix<T>>& in, Eigen::Map<Matrix<T>> out, int threads) {
   constexpr Index row_chunk = 64;
   const Index n = in.rows(), cols = out.cols();
-  const Index col_chunk = n > row_chunk ? std::max<Index>(1, cols) : 128, col_tasks = (cols + col_chunk - 1) / col_chunk;
-  parallel_for((n + row_chunk - 1) / row_chunk * std::max<Index>(1, col_tasks), threads, [&](Index task, int) {
+  const Index col_chunk = n > row_chunk ? std::max<Index>(1, cols) : 128;
+  const Index col_tasks = std::max<Index>(1, (cols + col_chunk - 1) / col_chunk);
+  parallel_for((n + row_chunk - 1) / row_chunk * col_tasks, threads, [&](Index task, int) {
     const Index r0 = task / col_tasks * row_chunk, c0 = task % col_tasks * col_chunk;
     const Index rows = std::min(row_chunk, n - r0), width = std::min(col_chunk, cols - c0);
     linear.apply_columns(in.middleRows(r0, rows), c0, out.block(r0, c0, rows, width));
