@@ -109,7 +109,7 @@ Int* local_ints(Workspace<T>& ws, int worker, std::size_t slot, Index count) {
 /// Per-worker slots, after the pipeline's own local slots.
 enum : std::size_t {
   s_hash = slot::local_variant, s_kscale, s_query, s_key, s_value, s_logits, s_weights, s_out, s_row_stats, s_run_stats, s_pad_rows,
-  s_rotation, s_log_count, s_bucket, s_pos, s_chunk_of, s_counts, s_valid, s_key_meta, s_query_meta, s_query_rows
+  s_rotation, s_qk_rows, s_v_rows, s_context_rows, s_log_count, s_bucket, s_pos, s_chunk_of, s_counts, s_valid, s_key_meta, s_query_meta, s_query_rows
 };
 
 /// Step 2's argmax over the NB-vector [u, −u], ties to the lowest index.
