@@ -10,6 +10,7 @@
 // GEMM per (group, slot).
 #pragma once
 
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/parallel.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
@@ -65,6 +66,9 @@ class DcmhaFactors {
         for (Index kk = 0; kk < K; ++kk)
           for (Index j = 0; j < 2 * R * M; ++j) q(kk, j) = w.qkw[((g * 4 + c) * K + kk) * 2 * R * M + j];
       }
+#ifdef HEADMIX_USE_LIBXSMM
+    dyn_in_packed_ = PackedMatrix<T>(dyn_in_);  // the panels libxsmm reads (as Linear::prepare)
+#endif
   }
 
   /// Options that leave the packing as it is (threads, GELU form, epsilon).
@@ -110,7 +114,10 @@ class DcmhaFactors {
         gate.array() = gate.array().tanh();
       };
       if (all_slots) {
-        u.noalias() = x.middleRows(r0, rows) * dyn_in_;
+        if (dyn_in_packed_.rows() == dyn_in_.rows())
+          gemm(x.middleRows(r0, rows), dyn_in_packed_.panels(), u);
+        else
+          u.noalias() = x.middleRows(r0, rows) * dyn_in_;
         activate(u.leftCols(hidden_cols), u.rightCols(ucols - hidden_cols));
       } else {
         for (Index unit = 0; unit < units; ++unit) {
@@ -161,6 +168,7 @@ class DcmhaFactors {
   Index G_ = 1, M_ = 1, R_ = 1, K_ = 0;
   std::vector<int> slots_;
   Matrix<T> dyn_in_;            // [D, G·slots·K | G·slots·M]: dw1 then dd columns
+  PackedMatrix<T> dyn_in_packed_;  // dyn_in_ in gemm's panels under libxsmm; empty otherwise
   std::vector<Matrix<T>> qkw_;  // per (group, slot): [K, 2R·M]
 };
 
