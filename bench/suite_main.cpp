@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -392,6 +393,30 @@ std::string ratio_text(const PairedResult& r) {
   std::snprintf(buf, sizeof buf, "%5.2fx [%.2f-%.2f] %s%s", r.ratio.median, r.ratio.q1, r.ratio.q3,
                 bench::clock_name(r.clock), r.flagged ? " !" : "");
   return buf;
+}
+
+// The machine probe: the headmix GEMM's rate on the yardstick's T = 256
+// product (compute) and the read yardstick's rate on 80 MiB (memory),
+// measured alone, pinned, before the tables and after them. A shared host
+// can slow either for minutes (a run here read 23 GB/s where the next read
+// 42): when the two probes differ, ratios of a compute-bound side to a
+// memory-bound one (decoding) and comparisons with other runs are suspect.
+struct MachineProbe {
+  double gemm_gflops = 0, read_gbs = 0;
+};
+
+MachineProbe probe_machine(const bench::PairSettings& settings) {
+  constexpr Index T = 256, D = 768;
+  constexpr std::size_t bytes = std::size_t(80) << 20;
+#ifdef HEADMIX_USE_LIBXSMM
+  const Side gemm = libxsmm_gemm_side(T, D);
+#else
+  const Side gemm = eigen_gemm_side(T, D);
+#endif
+  const double gemm_s = bench::series(gemm, settings, bench::Clock::cpu).summary(bench::Clock::cpu).median;
+  const double read_s =
+      bench::series(read_side(bytes), settings, bench::Clock::cpu).summary(bench::Clock::cpu).median;
+  return {1e-9 * gemm_flops(T, D) / gemm_s, 1e-9 * double(bytes) / read_s};
 }
 
 // A side's median milliseconds per call on its comparison's clock.
@@ -924,15 +949,32 @@ int main(int argc, char** argv) try {
   std::printf("headmix benchmark suite, mode %s\n", mode.c_str());
   for (auto& [k, v] : context.items())
     std::printf("  %-22s %s\n", k.c_str(), v.is_string() ? v.get<std::string>().c_str() : v.dump().c_str());
+  const MachineProbe before = probe_machine(plan.settings);
+  std::printf("\nMachine probe before the tables: GEMM %.0f GFLOP/s, read %.1f GB/s (1 thread, pinned)\n",
+              before.gemm_gflops, before.read_gbs);
   std::printf("\nComparisons as they run (ratio = first side / second side):\n");
   Suite suite(plan);
   suite.run();
+  const MachineProbe after = probe_machine(plan.settings);
   context["loadavg_end"] = first_line_of("/proc/loadavg");
+  const double gemm_moved = after.gemm_gflops / before.gemm_gflops - 1, read_moved = after.read_gbs / before.read_gbs - 1;
+  context["machine_probe"] = {{"definition", "headmix GEMM [256, 768] x [768, 2304] GFLOP/s and the read yardstick on "
+                                             "80 MiB GB/s, 1 thread, pinned, before and after the tables"},
+                              {"before", {{"gemm_gflops", before.gemm_gflops}, {"read_gbs", before.read_gbs}}},
+                              {"after", {{"gemm_gflops", after.gemm_gflops}, {"read_gbs", after.read_gbs}}}};
   const bench::Summary quiet = suite.wall_over_cpu();
   context["wall_over_cpu_single_threaded"] = {{"median", quiet.median}, {"worst", quiet.max}};
   suite.print_tables();
   std::printf("Load average (1, 5, 15 min) at start: %s; at end: %s\n",
               context["loadavg_start"].get<std::string>().c_str(), context["loadavg_end"].get<std::string>().c_str());
+  std::printf("Machine probe before / after the tables: GEMM %.0f / %.0f GFLOP/s (%+.0f%%), read %.1f / %.1f GB/s "
+              "(%+.0f%%)\n",
+              before.gemm_gflops, after.gemm_gflops, 100 * gemm_moved, before.read_gbs, after.read_gbs,
+              100 * read_moved);
+  if (std::abs(gemm_moved) > 0.05 || std::abs(read_moved) > 0.05)
+    std::printf("Warning: the machine's speed moved by more than 5%% during the run (other work on it or its host):\n"
+                "ratios of a compute-bound side to a memory-bound one (decoding) and comparisons with other runs\n"
+                "are suspect; run again on a quieter machine.\n");
   if (context.contains("openblas_warning"))
     std::printf("Warning: %s\n", context["openblas_warning"].get<std::string>().c_str());
   if (!json_path.empty()) {
