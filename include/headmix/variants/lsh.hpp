@@ -49,6 +49,7 @@
 //   qk [B·T, H·dh] + v [B·T, H·dv] + context [B·T, H·dv] (+ the rotation when seeded)
 //   + per worker thread: 128 × NH·NB/2 (hash block) + O(bs · (bs + dh + dv))
 //     (one chunk's tiles) + O(NH · Tp) integers (buckets and sort)
+//     + T · (dh + 2·dv) (its head's qk, v and context rows)
 // so attention memory grows with NH · Tp, never T². Asking for the dense
 // weights [B, H, T, T] (for inspection at small T) also keeps every chunk's
 // weights, NH · Tp · 2·bs values per worker.
