@@ -8,7 +8,9 @@ for each the two medians and their relative difference (second / first - 1),
 largest first, marking with `!` those beyond the tolerance; then how many
 are within it. `--one-thread` keeps only comparisons whose sides both ran
 on one thread (the CPU-clock rows: what a load on the other core must not
-move). A report, not a test: the exit status is 0 whenever both files read.
+move). Last, both runs' machine probes (GEMM and read rates before and after
+their tables), flagged when they differ by more than the tolerance. A report,
+not a test: the exit status is 0 whenever both files read.
 """
 import argparse
 import json
@@ -31,10 +33,12 @@ def main():
     parser.add_argument("--tolerance", type=float, default=0.05, help="relative difference allowed (0.05: 5%%)")
     parser.add_argument("--one-thread", action="store_true", help="only comparisons timed on the CPU clock")
     args = parser.parse_args()
-    runs = []
+    runs, probes = [], []
     for path in (args.first, args.second):
         with open(path) as f:
-            runs.append({key(c): c for c in json.load(f)["comparisons"]})
+            data = json.load(f)
+        runs.append({key(c): c for c in data["comparisons"]})
+        probes.append(data["context"].get("machine_probe"))
     first, second = runs
     rows = []
     for k, a in first.items():
@@ -58,6 +62,25 @@ def main():
         tables.setdefault(a["table"], []).append(abs(d))
     for table, diffs in tables.items():
         print(f"  {table:10} {sum(d <= args.tolerance for d in diffs):3} of {len(diffs):3} within, largest {max(diffs):.1%}")
+    compare_probes(probes, args.tolerance)
+
+
+def compare_probes(probes, tolerance):
+    """The machine probes of both runs (suites from f64649c on): a machine
+    that was faster or slower in one run explains ratios that moved."""
+    if not all(probes):
+        print("\n(no machine probe in one of the runs: runs before f64649c)")
+        return
+    print("\nmachine probe, before / after each run's tables:")
+    moved = []
+    for name, unit in (("gemm_gflops", "GFLOP/s"), ("read_gbs", "GB/s")):
+        values = [p[when][name] for p in probes for when in ("before", "after")]
+        print(f"  {name:12} first {values[0]:6.1f} / {values[1]:6.1f}, second {values[2]:6.1f} / {values[3]:6.1f} {unit}")
+        if max(values) / min(values) - 1 > tolerance:
+            moved.append(name)
+    if moved:
+        print(f"  the machine itself moved by more than ±{tolerance:.0%} ({', '.join(moved)}): "
+              "ratios that mix compute- and memory-bound sides are expected to move with it")
 
 
 if __name__ == "__main__":
