@@ -34,8 +34,8 @@ namespace detail {
 // A layer's loops follow each other within microseconds (a decoding step
 // runs several per token), so a worker polls for the next loop, and the
 // caller for the workers' end, for kSpin before it blocks: 1.4-2 µs then.
-// Longer polls kept a core busy through a layer's serial stretches (a 100 µs
-// poll made CollabHead 2% slower on 2 threads at T = 1024).
+// The poll is short: a 100 µs one made CollabHead 2% slower on 2 threads at
+// T = 1024, for a reason not found.
 class WorkerPool {
  public:
   using Job = void (*)(void* context, int worker);
