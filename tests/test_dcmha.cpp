@@ -841,9 +841,10 @@ TYPED_TEST(DcmhaTest, SeparateKeysFlopsEqualReferenceCount) {
 }  // namespace
 
 // ---- Compose kernels: the fast one against the reference one ---------------
-// detail::compose_lines (cache lines, rank projections in registers) and
-// detail::compose_generic (plain loops, any R) on one row segment, both
-// held to the Compose formula evaluated here in double.
+// detail::compose_lines (rank projections in registers; for the group
+// sizes of detail::ComposeHeldHeads with a static term, every head's line
+// too) and detail::compose_generic (plain loops, any R) on one row segment,
+// both held to the Compose formula evaluated here in double.
 
 namespace {
 
@@ -855,69 +856,70 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
   using T = TypeParam;
   std::mt19937 rng(42);
   std::normal_distribution<double> nd(0.0, 1.0);
-  const Index M = 3, plane_pad = 5;
-  for (Index R : {1, 2, 3})
-    for (Index len : {7, 37, 300})
-      for (int flags = 0; flags < 16; ++flags) {
-        const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, accumulate = (flags & 8) || static_loop;
-        const Index RM = R * M, plane = len + plane_pad, rs = len + 3;
-        auto random = [&](Index n) {
-          std::vector<T> v(static_cast<std::size_t>(n));
-          for (T& e : v) e = static_cast<T>(nd(rng));
-          return v;
-        };
-        const std::vector<T> z = random(M * plane), qf = random((2 * R + 1) * M), kf = random((2 * R + 1) * M * rs);
-        const std::vector<T> before = random(M * plane);
-        headmix::Matrix<T> mix(M, M);
-        for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
-        const T identity = accumulate ? T(0) : T(1);
-        std::vector<T> scratch(static_cast<std::size_t>((M + 2 * R) * headmix::detail::compose_chunk<T>));
+  const Index plane_pad = 5;
+  for (Index M : {3, 4, 8, 12, 16})
+    for (Index R : {1, 2, 3})
+      for (Index len : {7, 37, 300})
+        for (int flags = 0; flags < 16; ++flags) {
+          const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, accumulate = (flags & 8) || static_loop;
+          const Index RM = R * M, plane = len + plane_pad, rs = len + 3;
+          auto random = [&](Index n) {
+            std::vector<T> v(static_cast<std::size_t>(n));
+            for (T& e : v) e = static_cast<T>(nd(rng));
+            return v;
+          };
+          const std::vector<T> z = random(M * plane), qf = random((2 * R + 1) * M), kf = random((2 * R + 1) * M * rs);
+          const std::vector<T> before = random(M * plane);
+          headmix::Matrix<T> mix(M, M);
+          for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
+          const T identity = accumulate ? T(0) : T(1);
+          std::vector<T> scratch(static_cast<std::size_t>((M + 2 * R) * headmix::detail::compose_chunk<T>));
 
-        // The formula, in double.
-        std::vector<double> expect(static_cast<std::size_t>(M * plane));
-        for (Index x = 0; x < len; ++x) {
-          auto zm = [&](Index m) { return double(z[m * plane + x]); };
-          auto kfr = [&](Index j) { return double(kf[j * rs + x]); };
-          for (Index n = 0; n < M; ++n) {
-            double o = 0;
-            if (static_loop)
-              for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
-            else if (accumulate)
-              o = before[n * plane + x];
-            double diag = identity + (qw ? qf[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
-            o += diag * zm(n);
-            for (Index i = 0; i < R; ++i) {
-              double a = 0, b = 0;
-              for (Index m = 0; m < M; ++m) {
-                if (qw) a += double(qf[i * M + m]) * zm(m);
-                if (kw) b += kfr(i * M + m) * zm(m);
+          // The formula, in double.
+          std::vector<double> expect(static_cast<std::size_t>(M * plane));
+          for (Index x = 0; x < len; ++x) {
+            auto zm = [&](Index m) { return double(z[m * plane + x]); };
+            auto kfr = [&](Index j) { return double(kf[j * rs + x]); };
+            for (Index n = 0; n < M; ++n) {
+              double o = 0;
+              if (static_loop)
+                for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
+              else if (accumulate)
+                o = before[n * plane + x];
+              double diag = identity + (qw ? qf[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
+              o += diag * zm(n);
+              for (Index i = 0; i < R; ++i) {
+                double a = 0, b = 0;
+                for (Index m = 0; m < M; ++m) {
+                  if (qw) a += double(qf[i * M + m]) * zm(m);
+                  if (kw) b += kfr(i * M + m) * zm(m);
+                }
+                if (qw) o += double(qf[RM + i * M + n]) * a;
+                if (kw) o += kfr(RM + i * M + n) * b;
               }
-              if (qw) o += double(qf[RM + i * M + n]) * a;
-              if (kw) o += kfr(RM + i * M + n) * b;
+              expect[n * plane + x] = o;
             }
-            expect[n * plane + x] = o;
+          }
+          for (bool generic_only : {false, true}) {
+            std::vector<T> out = before;
+            const headmix::detail::ComposeSegment<T> s{z.data(), out.data(), plane, qw ? qf.data() : nullptr,
+                                                       kw ? kf.data() : nullptr, rs, &mix, M, R, static_loop,
+                                                       accumulate, identity, scratch.data()};
+            headmix::detail::compose_segment(s, len, generic_only);
+            const double tol = std::is_same_v<T, float> ? 2e-5 : 1e-13;
+            for (Index n = 0; n < M; ++n)
+              for (Index x = 0; x < plane; ++x) {
+                const std::size_t i = static_cast<std::size_t>(n * plane + x);
+                if (x >= len) {  // past the segment: untouched
+                  ASSERT_EQ(out[i], before[i]) << "wrote past the segment";
+                  continue;
+                }
+                ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
+                    << (generic_only ? "reference" : "fast") << " kernel, M " << M << " R " << R << " len " << len
+                    << " flags " << flags << " head " << n << " column " << x;
+              }
           }
         }
-        for (bool generic_only : {false, true}) {
-          std::vector<T> out = before;
-          const headmix::detail::ComposeSegment<T> s{z.data(), out.data(), plane, qw ? qf.data() : nullptr,
-                                                     kw ? kf.data() : nullptr, rs, &mix, M, R, static_loop,
-                                                     accumulate, identity, scratch.data()};
-          headmix::detail::compose_segment(s, len, generic_only);
-          const double tol = std::is_same_v<T, float> ? 2e-5 : 1e-13;
-          for (Index n = 0; n < M; ++n)
-            for (Index x = 0; x < plane; ++x) {
-              const std::size_t i = static_cast<std::size_t>(n * plane + x);
-              if (x >= len) {  // past the segment: untouched
-                ASSERT_EQ(out[i], before[i]) << "wrote past the segment";
-                continue;
-              }
-              ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
-                  << (generic_only ? "reference" : "fast") << " kernel, R " << R << " len " << len << " flags "
-                  << flags << " head " << n << " column " << x;
-            }
-        }
-      }
 }
 
 }  // namespace

@@ -401,15 +401,16 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     const Sources& src = pol.src;
     const Index rs = src.kf_row_stride;
     // The tile's head planes lie rows·cols apart, often a multiple of 4 KiB
-    // (same cache sets), so the kernels read them once, in order, into this
-    // contiguous scratch and use them from there.
+    // (same cache sets), so the kernels read them once, in order, into
+    // registers or this contiguous scratch and use them from there.
     constexpr Index CH = detail::compose_chunk<T>;
     T* scratch = ws.local(w, local_compose, (M + 2 * R) * CH);  // sized by reserve_compose
-    // The static term I + P: one mix_heads GEMM over the group's tile, except
-    // on single-row tiles (decoding), where Eigen's GEMM would pack (and for
-    // long caches heap-allocate) more than the M² multiply-adds per key it
-    // saves; those take it in the kernels.
-    const bool static_gemm = sw && rows > 1, static_loop = sw && rows == 1;
+    // The static term I + P: in the kernels, when they hold the group's heads
+    // in registers (the tile is then read once and written once) or on
+    // single-row tiles (decoding), where a GEMM would pack (and for long
+    // caches heap-allocate) more than the M² multiply-adds per key it saves;
+    // else one mix_heads GEMM over the group's tile first.
+    const bool static_loop = sw && (rows == 1 || detail::compose_holds_heads(M)), static_gemm = sw && !static_loop;
     const T identity = sw ? T(0) : T(1);  // with a static term, I is part of its weights
 
     // Visible columns [lo, hi) of tile row r.

@@ -1,14 +1,16 @@
 // DCMHA's Compose on one segment of one tile row of one head group: the M
 // head values z_m at each key column s become
 //
-//   out_n = Σ_m (I + P)[m,n] z_m  +  z_n (1 + ddq_n + ddk_n(s))
+//   out_n = Σ_m P[m,n] z_m  +  z_n (1 + ddq_n + ddk_n(s))
 //         + Σ_i W2q[i,n] a_i  +  Σ_i W2k[i,n](s) b_i,
 //   a_i = Σ_m W1q[i,m] z_m,   b_i = Σ_m W1k[i,m](s) z_m,
 //
 // (the query-wise factors are constants along the row, the key-wise ones
-// coefficient rows along the columns; see variants/dcmha.hpp). Two kernels
-// compute it: compose_lines, one cache line of every head at a time with
-// the rank projections in registers (R = 1 or 2: the layer's fast path),
+// coefficient rows along the columns; see variants/dcmha.hpp; the static
+// term P is optional). Two kernels compute it: compose_lines, a line of
+// every head at a time with the rank projections in registers (R = 1 or 2:
+// the layer's fast path; with P, the heads too, for the group sizes that
+// fit the register file),
 // and compose_generic, plain vector loops for any R, which the layer runs
 // on what compose_lines leaves (the row's tail, other ranks) and which is
 // the reference the fast one is tested against.
@@ -17,6 +19,7 @@
 #include "headmix/core/types.hpp"
 
 #include <algorithm>
+#include <utility>
 
 namespace headmix::detail {
 
@@ -49,29 +52,58 @@ struct ComposeSegment {
 /// gathered heads stay in L1 and a chunk's key-wise rows in L2.
 template <class T>
 inline constexpr Index compose_chunk = 1024 / static_cast<Index>(sizeof(T));
-/// One cache line of T.
+/// Columns per step of compose_lines through scratch: one cache line of T.
 template <class T>
 inline constexpr Index compose_line = 64 / static_cast<Index>(sizeof(T));
+/// Columns per step of compose_lines with the heads held: one vector register.
+template <class T>
+inline constexpr Index compose_register = Eigen::internal::packet_traits<T>::size;
 
-/// The first (len / line) · line columns of the segment, one cache line of
-/// every head at a time: each line is read once (into scratch, which the
-/// second pass reads back from L1) and the 2R rank projections stay in
-/// registers. R_ must equal s.R, QW and KW whether s has query-wise and
-/// key-wise factors. Returns the number of columns done.
-template <int R_, bool QW, bool KW, class T>
+/// Group sizes M for which compose_lines keeps every head's line in a
+/// register: as many as leave room for the 2R rank projections and the
+/// output in the register file (32 vector registers with AVX-512, else 16).
+#ifdef EIGEN_VECTORIZE_AVX512
+using ComposeHeldHeads = std::integer_sequence<int, 4, 8, 12, 16>;
+#else
+using ComposeHeldHeads = std::integer_sequence<int, 4, 8>;
+#endif
+template <int... Ms>
+constexpr bool holds_heads(Index M, std::integer_sequence<int, Ms...>) {
+  return ((M == Ms) || ...);
+}
+/// Whether compose_lines holds a group of M heads in registers.
+constexpr bool compose_holds_heads(Index M) { return holds_heads(M, ComposeHeldHeads{}); }
+
+/// The first (len / L) · L columns of the segment, L columns of every head
+/// at a time, with the 2R rank projections in registers. With M_ = s.M
+/// heads known at compile time (compose_holds_heads) the heads' lines stay
+/// in registers as well (L = compose_register<T>): the segment is read once
+/// and written once, and the static term costs one broadcast per
+/// multiply-add. With M_ = 0 (any M) they go through scratch, which stays in
+/// L1 (L = compose_line<T>, which ran faster than a register's width with
+/// AVX2). R_ must equal s.R, QW and KW whether s has query-wise and key-wise
+/// factors. Returns the number of columns done.
+template <int M_, int R_, bool QW, bool KW, class T>
 Index compose_lines(const ComposeSegment<T>& s, Index len) {
-  constexpr Index L = compose_line<T>;
+  constexpr Index L = M_ > 0 ? compose_register<T> : compose_line<T>;
   using Line = Eigen::Array<T, L, 1>;
   using CLine = Eigen::Map<const Line>;
   using WLine = Eigen::Map<Line>;
   // The segment's fields as locals: the kernel's stores go through T*, which
   // could alias `s`, so the compiler would reload every field on every line.
-  const Index M = s.M, RM = R_ * M, plane = s.plane, rs = s.rs;
+  const Index M = M_ > 0 ? M_ : s.M, RM = R_ * M, plane = s.plane, rs = s.rs;
   const T* const qf = s.qf;
   T* const scratch = s.scratch;
-  const Matrix<T>* const mix = s.static_loop ? s.mix : nullptr;
+  const T* const mix = s.static_loop ? s.mix->data() : nullptr;  // (I + P)ᵀ: row n holds what head n takes
   const bool accumulate = s.accumulate;
   const T identity = s.identity;
+  Line held[M_ > 0 ? M_ : 1];
+  auto keep = [&](Index m, const Line& v) {
+    if constexpr (M_ > 0) held[m] = v; else WLine(scratch + m * L) = v;
+  };
+  auto head = [&](Index m) -> Line {
+    if constexpr (M_ > 0) return held[m]; else return CLine(scratch + m * L);
+  };
   Index x = 0;
   for (; x + L <= len; x += L) {
     const T* z = s.z + x;
@@ -81,23 +113,22 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
     for (int i = 0; i < R_; ++i) qa[i].setZero(), kb[i].setZero();
     for (Index m = 0; m < M; ++m) {
       const Line zm = CLine(z + m * plane);
-      WLine(scratch + m * L) = zm;
+      keep(m, zm);
       for (int i = 0; i < R_; ++i) {
         if constexpr (QW) qa[i] += qf[i * M + m] * zm;
         if constexpr (KW) kb[i] += CLine(kf + (i * M + m) * rs) * zm;
       }
     }
     for (Index n = 0; n < M; ++n) {
-      const CLine zn(scratch + n * L);
       T diag = identity;
       if constexpr (QW) diag += qf[2 * RM + n];
       Line on;
       if constexpr (KW)
-        on = (CLine(kf + (2 * RM + n) * rs) + diag) * zn;
+        on = (CLine(kf + (2 * RM + n) * rs) + diag) * head(n);
       else
-        on = diag * zn;
+        on = diag * head(n);
       if (mix) {
-        for (Index m = 0; m < M; ++m) on += (*mix)(n, m) * CLine(scratch + m * L);
+        for (Index m = 0; m < M; ++m) on += mix[n * M + m] * head(m);
       } else if (accumulate) {
         on += CLine(o + n * plane);
       }
@@ -111,13 +142,23 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
   return x;
 }
 
-/// compose_lines for s's factors, at rank R_.
-template <int R_, class T>
-Index compose_lines_of_rank(const ComposeSegment<T>& s, Index len) {
-  if (s.qf && s.kf) return compose_lines<R_, true, true>(s, len);
-  if (s.qf) return compose_lines<R_, true, false>(s, len);
-  if (s.kf) return compose_lines<R_, false, true>(s, len);
-  return compose_lines<R_, false, false>(s, len);
+/// compose_lines for s's factors, at rank R_ and M_ heads.
+template <int M_, int R_, class T>
+Index compose_lines_with(const ComposeSegment<T>& s, Index len) {
+  if (s.qf && s.kf) return compose_lines<M_, R_, true, true>(s, len);
+  if (s.qf) return compose_lines<M_, R_, true, false>(s, len);
+  if (s.kf) return compose_lines<M_, R_, false, true>(s, len);
+  return compose_lines<M_, R_, false, false>(s, len);
+}
+
+/// compose_lines at rank R_, with s's heads in registers when the kernel
+/// applies the static term and can hold them. Without the static term,
+/// holding them measured no faster (forward and decoding, M = 12 and 16).
+template <int R_, class T, int... Ms>
+Index compose_lines_of_rank(const ComposeSegment<T>& s, Index len, std::integer_sequence<int, Ms...>) {
+  Index done = 0;
+  const bool held = s.static_loop && ((s.M == Ms && (done = compose_lines_with<Ms, R_>(s, len), true)) || ...);
+  return held ? done : compose_lines_with<0, R_>(s, len);
 }
 
 /// All `len` columns of the segment (any R), compose_chunk<T> at a time:
@@ -180,7 +221,9 @@ template <class T>
 void compose_segment(const ComposeSegment<T>& s, Index len, bool generic_only = false) {
   Index done = 0;
   if (!generic_only)
-    done = s.R == 2 ? compose_lines_of_rank<2>(s, len) : s.R == 1 ? compose_lines_of_rank<1>(s, len) : 0;
+    done = s.R == 2   ? compose_lines_of_rank<2>(s, len, ComposeHeldHeads{})
+           : s.R == 1 ? compose_lines_of_rank<1>(s, len, ComposeHeldHeads{})
+                      : 0;
   if (done < len) compose_generic(s.from(done), len - done);
 }
 
