@@ -160,6 +160,26 @@ TYPED_TEST(CoreTyped, HeadMixIsAProductOverHeadsAtEachEntry) {
       }
 }
 
+// Rows read side by side (a step's K_hᵀ rows, DCMHA's key-wise factor
+// rows): room for n elements and a spare line, whole 64-byte lines, an odd
+// number of them at every length, so that 64 consecutive rows start in 64
+// different L1 sets (rows a multiple of 4 KiB apart would share one).
+template <class E>
+void expect_odd_line_strides() {
+  const Index line = 64 / static_cast<Index>(sizeof(E));
+  for (Index n = 0; n <= 4200; ++n) {
+    const Index stride = detail::odd_line_stride<E>(n);
+    ASSERT_GE(stride, n + line) << n;
+    ASSERT_EQ(stride % line, 0) << n;
+    ASSERT_EQ((stride / line) % 2, 1) << n;
+  }
+}
+TEST(OddLineStride, RowsAnOddNumberOfLinesApartAtEveryLength) {
+  expect_odd_line_strides<float>();
+  expect_odd_line_strides<double>();
+  expect_odd_line_strides<Eigen::bfloat16>();
+}
+
 TEST(Workspace, GrowsAndKeepsBuffers) {
   Workspace<float> ws;
   float* a = ws.shared(0, 100);

@@ -126,20 +126,6 @@ TYPED_TEST(DcmhaTest, LongRowsEveryPath) {
   }
 }
 
-// The key-wise factor rows' stride, at every length: room for the
-// positions and a spare line, whole 64-byte lines, an odd number of them
-// (rows a multiple of 4 KiB apart would all fall in one L1 set).
-TYPED_TEST(DcmhaTest, FactorRowsAreAnOddNumberOfLinesApart) {
-  using T = TypeParam;
-  const Index line = 64 / static_cast<Index>(sizeof(T));
-  for (Index n = 0; n <= 4200; ++n) {
-    const Index stride = headmix::detail::dcmha_padded_stride<T>(n);
-    ASSERT_GE(stride, n + line) << n;
-    ASSERT_EQ(stride % line, 0) << n;
-    ASSERT_EQ((stride / line) % 2, 1) << n;
-  }
-}
-
 TYPED_TEST(DcmhaTest, Groups) {
   for (int G : {2, 4}) {
     for (bool sw : {false, true}) {

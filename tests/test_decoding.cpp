@@ -463,8 +463,11 @@ TYPED_TEST(Decoding, HalfCacheHoldsKeysAndValuesInBfloat16OrIsRefused) {
       }
       layer.step(x.batch(), full, y.batch(), ws);
       layer.step(x.batch(), half, y.batch(), ws);
-      EXPECT_EQ(full.bytes() - half.bytes(), static_cast<std::size_t>(full.stream(0).size() + full.stream(1).size()) *
-                                                 (sizeof(T) - sizeof(Eigen::bfloat16)));
+      // K (as K_hᵀ rows, each cache's padded to lines of what it stores) and
+      // V in bfloat16; any other stream as it was.
+      const Index wk = full.stream(0).cols(), wv = full.stream(1).cols(), t = sizeof(T), h = sizeof(Eigen::bfloat16);
+      EXPECT_EQ(Index(full.bytes()) - Index(half.bytes()),
+                B * wk * (full.transposed_stride() * t - half.transposed_stride() * h) + B * 32 * wv * (t - h));
       const Decoded<T> exact = decode(layer, x, {1});
       const Decoded<T> rounded = decode(layer, x, {1}, 0, CachePrecision::bfloat16);
       V::set_threads(p, 2);
@@ -535,6 +538,26 @@ TEST(MhaDecoding, GroupedQueryCacheHoldsOnlyKvHeads) {
       EXPECT_THROW(layer.step(x.batch(), two_groups, y.batch(), ws), shape_error);
     }
   }
+}
+
+// A cache's K_hᵀ rows lie an odd number of lines of what it stores apart
+// (detail::odd_line_stride): before, a capacity of 1280 floats put every
+// fourth of a step's dk rows in one L1 set.
+TEST(MhaDecoding, KeyRowsAreAnOddNumberOfStoredLinesApart) {
+  const auto p = gqa_problem<float>(2, 1, 1, 8, 3, 5, 7, 42);
+  const headmix::Mha<float> layer = p.layer();
+  const Tensor<float> x = query_tensor<variants::Mha>(p);
+  Workspace<float> ws;
+  Tensor<float> y({1, 1, 7});
+  for (Index cap : {1, 6, 768, 1000, 1024, 1280, 8192})
+    for (CachePrecision precision : {CachePrecision::full, CachePrecision::bfloat16}) {
+      SequenceCache<float> cache(1, cap, precision);
+      layer.step(x.batch(), cache, y.batch(), ws);
+      const Index element = precision == CachePrecision::full ? 4 : 2, bytes = cache.transposed_stride() * element;
+      EXPECT_GE(bytes, cap * element + 64) << cap;
+      EXPECT_EQ(bytes % 64, 0) << cap;
+      EXPECT_EQ(bytes / 64 % 2, 1) << cap << (precision == CachePrecision::full ? " float" : " bfloat16");
+    }
 }
 
 constexpr double kBf16Unit = 1.0 / 256;  // u: bfloat16 keeps 8 significant bits

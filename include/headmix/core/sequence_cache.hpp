@@ -15,7 +15,8 @@
 // packed K_hᵀ), so that it runs as a GEMM over contiguous key runs rather
 // than repacking every block of K. Its rows are transposed_stride()
 // apart, the capacity padded so that they do not fall in the same cache
-// sets (a 4 KiB multiple apart, a step's dk rows would evict each other).
+// sets (a 4 KiB multiple apart, a step's dk rows would evict each other):
+// detail::odd_line_stride.
 //
 // Half precision (CachePrecision::bfloat16): the K and V streams of the
 // dot-product layers (MHA, Talking-Heads, DCMHA) are stored as bfloat16,
@@ -149,10 +150,9 @@ class SequenceCache {
   /// (the K stream of the dot-product layers).
   bool transposed(std::size_t s) const { return s == 0 && kv_count_ > 0; }
   /// Elements between the rows of a transposed stream's heads: the
-  /// capacity, rounded up to 16 and moved off multiples of 512.
+  /// capacity padded to an odd number of cache lines of what it stores.
   Index transposed_stride() const {
-    const Index n = (capacity_ + 15) / 16 * 16;
-    return n % 512 == 0 ? n + 16 : n;
+    return is_half(0) ? detail::odd_line_stride<Half>(capacity_) : detail::odd_line_stride<T>(capacity_);
   }
   /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
   /// a full-precision stream bound with one head.

@@ -183,10 +183,10 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     for (int st = 0; st < 2; ++st) {
       if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * T_ * factor_width());
       if (needs_key_factors(st))
-        src.kf[st] = ws.shared(shared_key_factors + st, B * factor_width() * detail::dcmha_padded_stride<T>(S));
+        src.kf[st] = ws.shared(shared_key_factors + st, B * factor_width() * detail::odd_line_stride<T>(S));
     }
     src.qf_stride = factor_width();
-    src.kf_row_stride = detail::dcmha_padded_stride<T>(S);
+    src.kf_row_stride = detail::odd_line_stride<T>(S);
     src.kf_batch_stride = factor_width() * src.kf_row_stride;
     if (in.self_attention()) {
       factors_.compute(in.query.rows(), T_, 0, src, ws, local_u, local_f);
@@ -240,7 +240,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       if (needs_key_factors(st)) src.kf[st] = cache.stream(2 + static_cast<std::size_t>(st)).data();
     }
     src.qf_stride = factor_width();
-    src.kf_row_stride = detail::dcmha_padded_stride<T>(cap);
+    src.kf_row_stride = detail::odd_line_stride<T>(cap);
     src.kf_batch_stride = cap * factor_stream_width(cap);
     factors_.compute(x.rows(), n, past, src, ws, local_u, local_f);
 
@@ -364,7 +364,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // width is whatever makes that block fit.
   Index factor_stream_width(Index capacity) const {
     if (capacity <= 0) return factor_width();
-    return (factor_width() * detail::dcmha_padded_stride<T>(capacity) + capacity - 1) / capacity;
+    return (factor_width() * detail::odd_line_stride<T>(capacity) + capacity - 1) / capacity;
   }
   Shape cache_widths(Index capacity) const {
     return {num_kv_heads() * head_dim(), num_kv_heads() * v_head_dim(),

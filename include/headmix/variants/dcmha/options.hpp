@@ -56,19 +56,4 @@ struct DcmhaFlops {
   FlopCount total() const { return {projection_macs + dynamic_macs, score_macs + compose_macs}; }
 };
 
-namespace detail {
-// Row stride for rows of n positions that the Compose reads side by side
-// (the key-wise factors, (2R + 1)·M rows per group): whole 64-byte lines, at
-// least one spare, an odd number of them, so that up to 64 rows start in
-// different L1 sets. Rows a multiple of 4 KiB apart share one set: at
-// S = 1000 (an earlier rule's 1024 floats) DCMHA took 1.15x its time at
-// S = 1024, its Compose alone 3.8x on a tile in cache.
-template <class T>
-Index dcmha_padded_stride(Index n) {
-  constexpr Index line = 64 / static_cast<Index>(sizeof(T));
-  const Index lines = (n + line - 1) / line + 1;
-  return (lines % 2 == 0 ? lines + 1 : lines) * line;
-}
-}  // namespace detail
-
 }  // namespace headmix
