@@ -218,7 +218,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   /// [0, NB) before the round offset, autopad positions included: what
   /// forward() sorts by (lsh.md's expected.buckets; a debugging aid).
   Tensor<std::int64_t> buckets(const AttentionInput<T>& in, Workspace<T>& ws) const {
-    const Call call = prepare(in, check_call(in), ws);
+    const Call call = prepare(in, check_call(in), ws, false);
     const Index H = num_heads(), NH = call.L.n_hashes, Tp = call.L.padded_length;
     Tensor<std::int64_t> out({call.B, H, NH, Tp});
     parallel_for(call.B * H, opt_.threads, [&](Index task, int worker) {
@@ -261,7 +261,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   // forward()'s work for output rows [first, first + count) (count >= 1).
   void run(const AttentionInput<T>& in, const LshLayout& layout, Index first, Index count, BatchView<T> out,
            Workspace<T>& ws, Tensor<T>* probs) const {
-    const Call call = prepare(in, layout, ws);
+    const Call call = prepare(in, layout, ws, true);
     const Index B = call.B, T_ = call.L.length, H = num_heads(), dv = v_head_dim();
     MatrixMap<T> ctx = ws.shared_matrix(slot::context, B * count, H * dv);
     if (probs) {
@@ -301,7 +301,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
   struct Call {
     Index B = 0;
     LshLayout L;
-    MatrixMap<T> qk, v;
+    MatrixMap<T> qk, v;  ///< v: [0, 0] when the call reads no values (buckets())
     const T* rotations;  ///< explicit or seeded-shared [R, dh, NH·NB/2]; null: seeded per head
   };
 
@@ -314,8 +314,9 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     return check_extents(in.query.batch(), in.query.length());
   }
 
-  // Projections and rotations, shared by forward() and buckets().
-  Call prepare(const AttentionInput<T>& in, const LshLayout& L, Workspace<T>& ws) const {
+  // Projections and rotations, shared by forward() and buckets() (which
+  // hashes only: no values).
+  Call prepare(const AttentionInput<T>& in, const LshLayout& L, Workspace<T>& ws, bool values) const {
     const Index B = in.query.batch(), T_ = L.length, H = num_heads(), dh = head_dim(), dv = v_head_dim();
     const T* rotations = nullptr;
     if (!w_.rotations.shape().empty()) {
@@ -327,16 +328,16 @@ class Lsh : public LayerForms<Lsh<T>, T> {
       rotations = buf;
     }
     MatrixMap<T> qk = ws.shared_matrix(slot::query, B * T_, H * dh);
-    MatrixMap<T> v = ws.shared_matrix(slot::value, B * T_, H * dv);
+    MatrixMap<T> v = ws.shared_matrix(slot::value, values ? B * T_ : 0, values ? H * dv : 0);
     project_rows<T>(w_.qk, in.query.rows(), qk, opt_.threads);
-    project_rows<T>(w_.v, in.query.rows(), v, opt_.threads);
+    if (values) project_rows<T>(w_.v, in.query.rows(), v, opt_.threads);
     ws.reserve_workers(opt_.threads);
     return {B, L, qk, v, rotations};
   }
 
-  // Where task (b, h)'s inputs are: copies its qk and v rows and fills its
-  // pad rows in the worker's scratch and, for seeded per-head rotations, its
-  // rotation.
+  // Where task (b, h)'s inputs are: copies its qk rows (and v rows, when the
+  // call has values) and fills its pad rows in the worker's scratch and, for
+  // seeded per-head rotations, its rotation.
   lsh_detail::HeadJob<T> head_job(const Call& call, const AttentionInput<T>& in, Index task, Workspace<T>& ws,
                                   int worker) const {
     const Index H = num_heads(), dh = head_dim(), dv = v_head_dim(), T_ = call.L.length;
@@ -344,20 +345,19 @@ class Lsh : public LayerForms<Lsh<T>, T> {
     lsh_detail::HeadJob<T> job;
     job.head_dim = dh;
     job.value_dim = dv;
-    job.qk = call.qk.data() + b * T_ * call.qk.cols() + h * dh;
-    job.qk_stride = call.qk.cols();
-    job.v = call.v.data() + b * T_ * call.v.cols() + h * dv;
-    job.v_stride = call.v.cols();
     // The head's rows, contiguous in the worker's scratch: the chunk loop
     // reads every row once per round in bucket order, which in the shared
     // [T, H · dh] matrices is one scattered cache line per row.
+    const T* qk_rows = call.qk.data() + b * T_ * call.qk.cols() + h * dh;
     T* qk = ws.local(worker, lsh_detail::s_qk_rows, T_ * dh);
-    T* v = ws.local(worker, lsh_detail::s_v_rows, T_ * dv);
-    for (Index p = 0; p < T_; ++p) {
-      std::copy_n(job.qk + p * job.qk_stride, dh, qk + p * dh);
-      std::copy_n(job.v + p * job.v_stride, dv, v + p * dv);
+    for (Index p = 0; p < T_; ++p) std::copy_n(qk_rows + p * call.qk.cols(), dh, qk + p * dh);
+    job.qk = qk, job.qk_stride = dh;
+    if (call.v.size() > 0) {
+      const T* from = call.v.data() + b * T_ * call.v.cols() + h * dv;
+      T* v = ws.local(worker, lsh_detail::s_v_rows, T_ * dv);
+      for (Index p = 0; p < T_; ++p) std::copy_n(from + p * call.v.cols(), dv, v + p * dv);
+      job.v = v, job.v_stride = dv;
     }
-    job.qk = qk, job.qk_stride = dh, job.v = v, job.v_stride = dv;
     T* pad = ws.local(worker, lsh_detail::s_pad_rows, dh + dv);  // x = 0 gives the bias, or 0
     for (Index e = 0; e < dh; ++e) pad[e] = w_.qk.has_bias() ? w_.qk.bias(h * dh + e) : T(0);
     for (Index e = 0; e < dv; ++e) pad[dh + e] = w_.v.has_bias() ? w_.v.bias(h * dv + e) : T(0);
