@@ -124,8 +124,8 @@ class DcmhaFactors {
           if (!wanted(slot_of(unit))) continue;
           auto hidden = u.middleCols(unit * K, K);
           auto gate = u.middleCols(hidden_cols + unit * M, M);
-          hidden.noalias() = x.middleRows(r0, rows) * dyn_in_.middleCols(unit * K, K);
-          gate.noalias() = x.middleRows(r0, rows) * dyn_in_.middleCols(hidden_cols + unit * M, M);
+          gemm(x.middleRows(r0, rows), dyn_in_.middleCols(unit * K, K), hidden);
+          gemm(x.middleRows(r0, rows), dyn_in_.middleCols(hidden_cols + unit * M, M), gate);
           activate(hidden, gate);
         }
       }
@@ -136,7 +136,7 @@ class DcmhaFactors {
         if (!wanted(c)) continue;
         const int st = c / 2;
         const bool query_side = c % 2 == 0;
-        f.noalias() = u.middleCols(unit * K, K) * qkw_[static_cast<std::size_t>(unit)];
+        gemm(u.middleCols(unit * K, K), qkw_[static_cast<std::size_t>(unit)], f);
         for (Index i = 0; i < rows; ++i) {
           for (Index r = 0; r < R; ++r) {  // scale-free RMSNorm of each W1 row over the M heads
             auto w1 = f.row(i).segment(r * M, M);
