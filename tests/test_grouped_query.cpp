@@ -103,15 +103,19 @@ TYPED_TEST(GroupedQuery, EqualsTheLayerWithRepeatedKeyValueHeads) {
       EXPECT_TRUE(all_close("forward", forward(grouped, x, &probs_grouped), widen(out_full), last_bits<T>()));
       EXPECT_TRUE(all_close("probs", probs_grouped, widen(probs_full), last_bits<T>()));
 
-      // A capacity whose keys' stride has no padding (a multiple of 16), so
-      // the caches' memory differs by exactly the K/V rows not stored.
+      // The caches' memory differs by exactly the K/V rows not stored: K's
+      // (transposed) at the caches' padded stride, V's at their capacity.
       constexpr Index kCapacity = (kLength + 15) / 16 * 16;
       headmix::SequenceCache<T> cache_grouped(kBatch, kCapacity), cache_full(kBatch, kCapacity);
       const Tensor<T> steps_full = decode(full, x, cache_full);
       EXPECT_TRUE(all_close("decode", decode(grouped, x, cache_grouped), widen(steps_full), last_bits<T>()));
       EXPECT_TRUE(all_close("decode against forward", steps_full, widen(out_full), Case::tolerance()));
-      const Index saved = (expanded.k.weight.rows() - w.k.weight.rows()) + (expanded.v.weight.rows() - w.v.weight.rows());
-      EXPECT_EQ(cache_full.bytes() - cache_grouped.bytes(), static_cast<std::size_t>(kBatch * kCapacity * saved) * sizeof(T));
+      const Index saved_k = expanded.k.weight.rows() - w.k.weight.rows();
+      const Index saved_v = expanded.v.weight.rows() - w.v.weight.rows(), saved = saved_k + saved_v;
+      ASSERT_EQ(cache_full.transposed_stride(), cache_grouped.transposed_stride());
+      EXPECT_EQ(cache_full.bytes() - cache_grouped.bytes(),
+                static_cast<std::size_t>(kBatch * (cache_full.transposed_stride() * saved_k + kCapacity * saved_v)) *
+                    sizeof(T));
 
       // The K/V projections' multiply-adds the grouping saves.
       EXPECT_EQ(full.flops(kBatch, kLength, kLength).macs() - grouped.flops(kBatch, kLength, kLength).macs(),

@@ -176,7 +176,7 @@ void expect_decoding_equal(const Problem_& p, const One& one, const Sharded& sha
   headmix::SequenceCache<T> cache1(kBatch, kLength), cache(kBatch, kLength);
   expect_steps_equal(p, one, sharded, cache1, cache, tol);
   // Exactly 1/P, unless the layer pads its cache rows (DCMHA pads each
-  // key-factor row to a multiple of 16 positions, per cache).
+  // key-factor row to an odd number of cache lines, per cache).
   const std::size_t P = static_cast<std::size_t>(world_size());
   if (!padded_cache) {
     EXPECT_EQ(cache.bytes() * P, cache1.bytes());
