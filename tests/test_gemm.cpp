@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -165,6 +166,27 @@ TYPED_TEST(GemmTyped, PanelViewsAtAnyOffset) {
           gemm(a, block, plain, accumulate);
           EXPECT_EQ(c, plain) << "the bits of the product on B as it stands";
         }
+}
+
+// K_hᵀ is laid out from K's strided rows (a head's columns of [keys, H·dk])
+// by register transposes of square blocks, with scalar edges: every element
+// lands where a panel of Kᵀ keeps it, at any row count and head width.
+TYPED_TEST(GemmTyped, PanelsOfATransposeHoldEveryElementInPlace) {
+  using T = TypeParam;
+  std::mt19937 rng(23);
+  for (const Index rows : {1, 7, 16, 17, 63, 64, 65, 130, 200})
+    for (const Index cols : {1, 5, 8, 16, 33, 64, 72}) {
+      SCOPED_TRACE(::testing::Message() << "a is [" << rows << ", " << cols << "] of a wider matrix");
+      const Matrix<T> wide = random_matrix<T>(rows, cols + 11, rng);
+      const ConstStridedMap<T> a(wide.data() + 3, rows, cols, Eigen::OuterStride<>(cols + 11));
+      std::vector<T> out(rows * cols, std::numeric_limits<T>::quiet_NaN());
+      Panels<T>::write_transposed(a, out.data());
+      for (Index r = 0; r < rows; ++r)
+        for (Index c = 0; c < cols; ++c) {
+          const Index i0 = r / 64 * 64, w = std::min<Index>(64, rows - i0);  // r's panel and its width
+          ASSERT_EQ(out[i0 * cols + c * w + (r - i0)], wide(r, c + 3)) << "row " << r << " column " << c;
+        }
+    }
 }
 
 // A Linear applies Wᵀ from its prepared copy (libxsmm) or from W itself

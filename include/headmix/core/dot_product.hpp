@@ -82,7 +82,7 @@ struct DotProductStages {
     parallel_for(batch * (k_heads + v_heads), threads, [&](Index task, int) {
       const Index b = task / (k_heads + v_heads), h = task % (k_heads + v_heads);
       if (h < k_heads)
-        Panels<T>::write(kv_rows(k, k_heads, dk, b, h, 0, keys).transpose(), kp + (b * k_heads + h) * dk * keys);
+        Panels<T>::write_transposed(kv_rows(k, k_heads, dk, b, h, 0, keys), kp + (b * k_heads + h) * dk * keys);
       else
         MatrixMap<T>(vp + (b * v_heads + h - k_heads) * keys * dv, keys, dv) =
             kv_rows(v, v_heads, dv, b, h - k_heads, 0, keys);

@@ -155,6 +155,44 @@ void gemm(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b, const Ei
     c.noalias() = a * b;
 }
 
+// GCC warns that a packet type's alignment attribute is dropped when it is a
+// template argument (PacketBlock<Packet, L>), which is what Eigen intends.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+namespace detail {
+/// out[c · ld + r] = a(r, c): `a`ᵀ, row-major with rows `ld` apart, for a
+/// row-major `a` with unit inner stride. L x L blocks (L a packet's floats)
+/// go through registers: L loads, Eigen's in-register transpose, L stores.
+template <class A, class T>
+void transpose_into(const A& a, T* out, Index ld) {
+  using Packet = typename Eigen::internal::packet_traits<T>::type;
+  constexpr Index L = Eigen::internal::packet_traits<T>::size;
+  const Index rows = a.rows(), cols = a.cols(), stride = a.outerStride();
+  const T* src = a.data();
+  Index r0 = 0;
+  if constexpr (L > 1) {
+    for (; r0 + L <= rows; r0 += L) {
+      Index c0 = 0;
+      for (; c0 + L <= cols; c0 += L) {
+        Eigen::internal::PacketBlock<Packet, L> block;
+        for (Index i = 0; i < L; ++i) block.packet[i] = Eigen::internal::ploadu<Packet>(src + (r0 + i) * stride + c0);
+        Eigen::internal::ptranspose(block);
+        for (Index i = 0; i < L; ++i) Eigen::internal::pstoreu(out + (c0 + i) * ld + r0, block.packet[i]);
+      }
+      for (; c0 < cols; ++c0)
+        for (Index r = r0; r < r0 + L; ++r) out[c0 * ld + r] = src[r * stride + c0];
+    }
+  }
+  for (; r0 < rows; ++r0)
+    for (Index c = 0; c < cols; ++c) out[c * ld + r0] = src[r0 * stride + c];
+}
+}  // namespace detail
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 /// A right-hand operand B [k, n] in the order gemm() reads it: panels of
 /// 64 columns (the last one narrower), each stored row-major on its own.
 /// A tile of B as it stands is 64-float pieces a whole row of B apart,
@@ -184,6 +222,18 @@ class Panels {
     for (Index i0 = 0; i0 < b.cols(); i0 += kWidth) {
       const Index w = std::min(kWidth, b.cols() - i0);
       MatrixMap<T>(out + i0 * b.rows(), b.rows(), w) = b.middleCols(i0, w);
+    }
+  }
+
+  /// Lay `a`ᵀ out as panels in `out` (a.size() elements), for a strided
+  /// row-major `a` (K [keys, dk] for K_hᵀ): a.rows() becomes the columns.
+  /// Square blocks are transposed in registers; as write(a.transpose(), out),
+  /// which copies one element at a time, but at a multiple of its rate.
+  template <class A>
+  static void write_transposed(const A& a, T* out) {
+    for (Index i0 = 0; i0 < a.rows(); i0 += kWidth) {
+      const Index w = std::min(kWidth, a.rows() - i0);
+      detail::transpose_into(a.middleRows(i0, w), out + i0 * a.cols(), w);
     }
   }
 

@@ -232,7 +232,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     // untransposed, in the order it reads it.
     T* kt = ws.shared(slot::packed_key, B * R * S);
     parallel_for(B, opt_.threads, [&](Index b, int) {
-      Panels<T>::write(k.middleRows(b * S, S).transpose(), kt + b * R * S);
+      Panels<T>::write_transposed(k.middleRows(b * S, S), kt + b * R * S);
     });
     attend(in.query, {kt, S, true, v.data(), S * H * dv, dv, H * dv, cb, S}, S, opt_.mask(), in.key_padding, out, ws,
            probs);
