@@ -170,7 +170,8 @@ TYPED_TEST(GemmTyped, PanelViewsAtAnyOffset) {
 
 // K_hᵀ is laid out from K's strided rows (a head's columns of [keys, H·dk])
 // by register transposes of square blocks, with scalar edges: every element
-// lands where a panel of Kᵀ keeps it, at any row count and head width.
+// lands where a panel of Kᵀ keeps it, at any row count and head width, and
+// an accumulating transpose adds each element once, leaving the rest.
 TYPED_TEST(GemmTyped, PanelsOfATransposeHoldEveryElementInPlace) {
   using T = TypeParam;
   std::mt19937 rng(23);
@@ -186,6 +187,14 @@ TYPED_TEST(GemmTyped, PanelsOfATransposeHoldEveryElementInPlace) {
           const Index i0 = r / 64 * 64, w = std::min<Index>(64, rows - i0);  // r's panel and its width
           ASSERT_EQ(out[i0 * cols + c * w + (r - i0)], wide(r, c + 3)) << "row " << r << " column " << c;
         }
+      // Added instead (CollabHead's content bias onto a step's scores), into rows 2 longer than a's.
+      const Index ld = rows + 2;
+      const Matrix<T> before = random_matrix<T>(cols, ld, rng);
+      Matrix<T> sum = before;
+      detail::transpose_into(a, sum.data(), ld, true);
+      for (Index c = 0; c < cols; ++c)
+        for (Index r = 0; r < ld; ++r)
+          ASSERT_EQ(sum(c, r), r < rows ? T(before(c, r) + wide(r, c + 3)) : before(c, r)) << "row " << r << " column " << c;
     }
 }
 

@@ -162,15 +162,17 @@ void gemm(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b, const Ei
 #pragma GCC diagnostic ignored "-Wignored-attributes"
 #endif
 namespace detail {
-/// out[c · ld + r] = a(r, c): `a`ᵀ, row-major with rows `ld` apart, for a
-/// row-major `a` with unit inner stride. L x L blocks (L a packet's floats)
-/// go through registers: L loads, Eigen's in-register transpose, L stores.
+/// out[c · ld + r] = a(r, c), or += with `accumulate`: `a`ᵀ, row-major with
+/// rows `ld` apart, for a row-major `a` with unit inner stride. L x L blocks
+/// (L a packet's floats) go through registers: L loads, Eigen's in-register
+/// transpose, L stores.
 template <class A, class T>
-void transpose_into(const A& a, T* out, Index ld) {
+void transpose_into(const A& a, T* out, Index ld, bool accumulate = false) {
   using Packet = typename Eigen::internal::packet_traits<T>::type;
   constexpr Index L = Eigen::internal::packet_traits<T>::size;
   const Index rows = a.rows(), cols = a.cols(), stride = a.outerStride();
   const T* src = a.data();
+  auto put = [accumulate](T& to, T x) { to = accumulate ? to + x : x; };
   Index r0 = 0;
   if constexpr (L > 1) {
     for (; r0 + L <= rows; r0 += L) {
@@ -179,14 +181,18 @@ void transpose_into(const A& a, T* out, Index ld) {
         Eigen::internal::PacketBlock<Packet, L> block;
         for (Index i = 0; i < L; ++i) block.packet[i] = Eigen::internal::ploadu<Packet>(src + (r0 + i) * stride + c0);
         Eigen::internal::ptranspose(block);
-        for (Index i = 0; i < L; ++i) Eigen::internal::pstoreu(out + (c0 + i) * ld + r0, block.packet[i]);
+        for (Index i = 0; i < L; ++i) {
+          T* to = out + (c0 + i) * ld + r0;
+          if (accumulate) block.packet[i] = Eigen::internal::padd(Eigen::internal::ploadu<Packet>(to), block.packet[i]);
+          Eigen::internal::pstoreu(to, block.packet[i]);
+        }
       }
       for (; c0 < cols; ++c0)
-        for (Index r = r0; r < r0 + L; ++r) out[c0 * ld + r] = src[r * stride + c0];
+        for (Index r = r0; r < r0 + L; ++r) put(out[c0 * ld + r], src[r * stride + c0]);
     }
   }
   for (; r0 < rows; ++r0)
-    for (Index c = 0; c < cols; ++c) out[c * ld + r0] = src[r0 * stride + c];
+    for (Index c = 0; c < cols; ++c) put(out[c * ld + r0], src[r0 * stride + c]);
 }
 }  // namespace detail
 #if defined(__GNUC__) && !defined(__clang__)

@@ -428,7 +428,8 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
       } else {
         out.setZero();
       }
-      if (content_bias) out += kv.cb.block(b * kv.key_stride + k0, h0, cols, count).transpose();
+      if (content_bias)  // out += the heads' bias columns, transposed in registers
+        detail::transpose_into(kv.cb.block(b * kv.key_stride + k0, h0, cols, count), out.data(), cols, true);
     }
 
    private:
