@@ -164,8 +164,8 @@ void gemm(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b, const Ei
 namespace detail {
 /// out[c · ld + r] = a(r, c), or += with `accumulate`: `a`ᵀ, row-major with
 /// rows `ld` apart, for a row-major `a` with unit inner stride. L x L blocks
-/// (L a packet's floats) go through registers: L loads, Eigen's in-register
-/// transpose, L stores.
+/// (L values to a packet) go through registers: L loads, Eigen's in-register
+/// transpose, L stores; the edges element by element.
 template <class A, class T>
 void transpose_into(const A& a, T* out, Index ld, bool accumulate = false) {
   using Packet = typename Eigen::internal::packet_traits<T>::type;
@@ -232,9 +232,8 @@ class Panels {
   }
 
   /// Lay `a`ᵀ out as panels in `out` (a.size() elements), for a strided
-  /// row-major `a` (K [keys, dk] for K_hᵀ): a.rows() becomes the columns.
-  /// Square blocks are transposed in registers; as write(a.transpose(), out),
-  /// which copies one element at a time, but at a multiple of its rate.
+  /// row-major `a` (K [keys, dk] for K_hᵀ): what write(a.transpose(), out)
+  /// lays out, but transposed in registers, not one element at a time.
   template <class A>
   static void write_transposed(const A& a, T* out) {
     for (Index i0 = 0; i0 < a.rows(); i0 += kWidth) {
