@@ -168,6 +168,7 @@ namespace detail {
 /// transpose, L stores; the edges element by element.
 template <class A, class T>
 void transpose_into(const A& a, T* out, Index ld, bool accumulate = false) {
+  static_assert(A::IsRowMajor && A::InnerStrideAtCompileTime == 1, "a row-major view with contiguous rows");
   using Packet = typename Eigen::internal::packet_traits<T>::type;
   constexpr Index L = Eigen::internal::packet_traits<T>::size;
   const Index rows = a.rows(), cols = a.cols(), stride = a.outerStride();
