@@ -38,8 +38,12 @@ Tensor<T> random_tensor(std::vector<Index> shape, double scale, unsigned seed) {
 }
 
 /// Bytes of a layer's weights: what a decoding step reads besides its cache.
+/// A Linear with bfloat16 weights: a one-row product reads those instead.
 template <class T>
-std::size_t bytes_of(const Linear<T>& l) { return sizeof(T) * std::size_t(l.weight.size() + l.bias.size()); }
+std::size_t bytes_of(const Linear<T>& l) {
+  const std::size_t weight = l.weight_half.rows() > 0 ? sizeof(Eigen::bfloat16) : sizeof(T);
+  return weight * std::size_t(l.weight.size()) + sizeof(T) * std::size_t(l.bias.size());
+}
 template <class T>
 std::size_t bytes_of(const Matrix<T>& m) { return sizeof(T) * std::size_t(m.size()); }
 template <class T>
@@ -75,6 +79,7 @@ struct LayerShape {
   int threads;
   Index window = 0;    // sliding window (needs causal), 0 = none
   Index kv_heads = 0;  // MHA's KV heads (grouped-query attention), 0 = H
+  bool bfloat16_weights = false;  // DenseOptions::bfloat16_weights
 };
 
 // The dense options every suite layer shares.
@@ -82,6 +87,7 @@ inline void set_dense(DenseOptions& opt, const LayerShape& s) {
   opt.causal = s.causal;
   opt.window = s.window;
   opt.threads = s.threads;
+  opt.bfloat16_weights = s.bfloat16_weights;
 }
 
 // The suite's layer of each variant, with weights of unit-variance outputs

@@ -254,7 +254,8 @@ std::vector<DecodeRow> decode_rows() {
 std::pair<Side, Side> decode_sides(const DecodeRow& row, LayerShape s, Index S, std::size_t& cache_bytes,
                                    std::size_t& weight_bytes, CachePrecision precision = CachePrecision::full) {
   if (row.label != row.variant) s.kv_heads = std::max<Index>(1, s.H / 8);  // the GQA row
-  const std::string step = precision == CachePrecision::full ? " step" : " bf16 step";
+  const std::string step = std::string(precision == CachePrecision::full ? " step" : " bf16 step") +
+                           (s.bfloat16_weights ? ", bf16 weights" : "");
   return bench::with_layer(row.variant, s, [&](auto layer) -> std::pair<Side, Side> {
     if constexpr (decodes<decltype(layer)>::value) {
       weight_bytes = bench::weight_bytes(layer);
@@ -582,9 +583,20 @@ class Suite {
         // the bytes it reads.
         std::size_t half_cache_bytes = 0;
         auto [unused, half_step] = decode_sides(row, s, S, half_cache_bytes, weight_bytes, CachePrecision::bfloat16);
+        p["weights"] = "float";
         Record& h = add("half_cache", p, step, half_step, true);
         h.extra["bytes_per_step"] = half_cache_bytes + weight_bytes;
         h.extra["cache_bytes"] = half_cache_bytes;
+        // And with the projection weights in bfloat16 too (bfloat16_weights).
+        LayerShape rounded = s;
+        rounded.bfloat16_weights = true;
+        std::size_t half_weight_bytes = 0;
+        auto [unused_too, lean_step] =
+            decode_sides(row, rounded, S, half_cache_bytes, half_weight_bytes, CachePrecision::bfloat16);
+        p["weights"] = "bfloat16";
+        Record& w = add("half_cache", p, step, lean_step, true);
+        w.extra["bytes_per_step"] = half_cache_bytes + half_weight_bytes;
+        w.extra["cache_bytes"] = half_cache_bytes;
       }
   }
 
@@ -716,15 +728,16 @@ void Suite::print_tables() const {
   bool half = false;
   each("half_cache", [&](const Record&) { half = true; });
   if (half) {
-    std::printf("\n   The same steps over a bfloat16 cache (K and V stored in half precision, products in float):\n"
-                "   full-cache step / bf16-cache step = the speed-up per token:\n");
-    std::printf("   %-13s %-22s %10s %9s %9s  %-22s\n", "variant", "shape", "MiB/step", "bf16 ms", "GB/s",
-                "full / bf16");
+    std::printf("\n   The same steps over a bfloat16 cache (K and V stored in half precision, products in float),\n"
+                "   with float weights and with bfloat16 weights (options.bfloat16_weights): full-cache, float-weight\n"
+                "   step / bf16 step = the speed-up per token:\n");
+    std::printf("   %-13s %-22s %-8s %10s %9s %9s  %-22s\n", "variant", "shape", "weights", "MiB/step", "bf16 ms",
+                "GB/s", "full / bf16");
     each("half_cache", [](const Record& r) {
       const double bytes = r.extra["bytes_per_step"].get<double>();
-      std::printf("   %-13s %-22s %10.2f %9.3f %9.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
-                  shape_text(r.params).c_str(), bytes / (1 << 20), ms(r.r, r.r.b), bytes / ms(r.r, r.r.b) * 1e-6,
-                  ratio_text(r.r).c_str());
+      std::printf("   %-13s %-22s %-8s %10.2f %9.3f %9.2f  %-22s\n", r.params["variant"].get<std::string>().c_str(),
+                  shape_text(r.params).c_str(), r.params.value("weights", "float").c_str(), bytes / (1 << 20),
+                  ms(r.r, r.r.b), bytes / ms(r.r, r.r.b) * 1e-6, ratio_text(r.r).c_str());
     });
   }
 

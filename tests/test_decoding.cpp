@@ -4,14 +4,15 @@
 // double reference, do not depend on the thread count, refuse to overflow a
 // cache and leave it as it was, refuse a cache of another batch or layer,
 // roll back with truncate(), allocate nothing once sized, decode the causal
-// conformance cases position by position, and hold K and V in a bfloat16
-// cache (or refuse one by name). A new decoding variant is covered by its
-// traits entry: decoding_shapes(), decoding_allocation_shapes(), the
-// decoding_conformance, bf16_cache_refusal, step_tolerance<T>().
+// conformance cases position by position, hold K and V in a bfloat16 cache
+// (or refuse one by name), and read bfloat16 weights. A new decoding
+// variant is covered by its traits entry: decoding_shapes(),
+// decoding_allocation_shapes(), the decoding_conformance,
+// bf16_cache_refusal, step_tolerance<T>().
 //
 // After the typed suite: MHA's own checks (the grouped-query cache layout,
-// the bfloat16 cache against naive loops and within its derived bound) and
-// the allocation check's plumbing.
+// the bfloat16 cache and weights against naive loops, the cache within its
+// derived bound) and the allocation check's plumbing.
 
 // Count heap allocations, operator new and Eigen's alike, in any build type
 // (headmix_test::allocations_during()). Must come before any Eigen header.
@@ -436,6 +437,61 @@ TYPED_TEST(Decoding, ConformanceCausalCasesDecodePositionByPosition) {
   }
 }
 
+// options.bfloat16_weights rounds the projection weights once and lets a
+// one-row step (B = 1, one token) stream them as bfloat16: steps of one
+// token (the bfloat16 path) and of three (GEMMs over the rounded weights)
+// agree with the forward of the same layer, on 1 and 2 threads with the
+// same bits, and allocate nothing once sized; the rounding is visible
+// against the layer without the option;
+// turning the option off keeps the rounded weights (the same forward bits).
+TYPED_TEST(Decoding, BfloatWeightsStepsMatchTheirForward) {
+  DECODING_VARIANTS_ONLY() {
+    auto p = TestFixture::first(1, 9, 45);
+    SCOPED_TRACE(p.describe());
+    const Tensor<T> x = query_tensor<V>(p);
+    const Tolerance tol = V::template step_tolerance<T>();
+    auto rounded = [](auto layer) {
+      auto options = layer.options();
+      options.bfloat16_weights = true;
+      layer.set_options(options);
+      return layer;
+    };
+    auto layer = rounded(p.layer());
+    Workspace<T> ws;
+    Tensor<T> full_probs;
+    const Tensor<T> full = layer.forward(p.input(), ws, &full_probs);
+    for (const std::vector<Index>& chunks : {std::vector<Index>{1}, {3}}) {
+      const Decoded<T> d = decode(layer, x, chunks);
+      EXPECT_TRUE(all_close("output", d.out, widen(full), tol)) << "chunks of " << chunks[0];
+      EXPECT_TRUE(all_close("weights", d.probs, widen(full_probs), tol)) << "chunks of " << chunks[0];
+    }
+    V::set_threads(p, 2);
+    const Decoded<T> two = decode(rounded(p.layer()), x, {1});
+    EXPECT_TRUE(same_values<V>("2 threads", two.out, decode(layer, x, {1}).out));
+    {  // once the first token has sized cache and workspace, the rest allocate nothing
+      std::vector<Tensor<T>> tokens;
+      for (Index t = 0; t < x.dim(1); ++t) tokens.push_back(slice(x, t, 1));
+      SequenceCache<T> cache(1, x.dim(1));
+      Workspace<T> sized;
+      Tensor<T> y({1, 1, layer.out_dim()});
+      layer.step(tokens[0].batch(), cache, y.batch(), sized);
+      EXPECT_EQ(allocations_during([&] {
+                  for (std::size_t t = 1; t < tokens.size(); ++t) layer.step(tokens[t].batch(), cache, y.batch(), sized);
+                }),
+                0);
+    }
+
+    const Tensor<T> plain = p.layer().forward(p.input(), ws);
+    double moved = 0;
+    for (Index i = 0; i < full.size(); ++i) moved = std::max(moved, std::abs(double(full[i]) - double(plain[i])));
+    EXPECT_GT(moved, 1e-5) << "the rounding must be visible for this test to mean anything";
+    auto options = layer.options();
+    options.bfloat16_weights = false;
+    layer.set_options(options);
+    EXPECT_TRUE(same_values<V>("forward with the option off again", layer.forward(p.input(), ws), full));
+  }
+}
+
 // A bfloat16 cache (K and V rounded to 8 significant bits, u = 2^-8) holds
 // its K and V streams in half the bytes and the rest as a full cache does;
 // its steps differ from the full cache's, by at most 8u of the output's
@@ -675,6 +731,41 @@ TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
         }
       }
     }
+}
+
+// With bfloat16 weights, MHA's steps (B = 1, one token: the weights read as
+// bfloat16) equal naive double loops over the layer's weights, which are
+// now bfloat16 values, over a full cache and over a bfloat16 one (its K and
+// V rounded as well), to double's tolerance.
+TEST(HalfWeights, StepsEqualNaiveLoopsOverTheRoundedWeights) {
+  const Index T_ = 11;
+  const auto identity = [](double e) { return e; };
+  for (int kv_heads : {4, 1}) {
+    const auto p = gqa_problem<double>(kv_heads, 1, T_, 12, 11, 70, 7, 62);
+    headmix::Mha<double> layer = p.layer();
+    const Tensor<double> x = query_tensor<variants::Mha>(p);
+    const NaiveDecode unrounded = naive_causal_mha(layer, x.data(), T_, identity);
+    auto options = layer.options();
+    options.bfloat16_weights = true;
+    layer.set_options(options);
+    const auto& w = layer.weights();
+    for (const auto* lin : {&w.q, &w.k, &w.v, &w.o})
+      for (Index i = 0; i < lin->weight.size(); ++i)
+        ASSERT_EQ(lin->weight.data()[i], round_to_bfloat16(lin->weight.data()[i])) << "weight " << i;
+    for (CachePrecision precision : {CachePrecision::full, CachePrecision::bfloat16}) {
+      const bool half = precision == CachePrecision::bfloat16;
+      const Tensor<double> y = decode(layer, x, {1}, 0, precision).out;
+      const NaiveDecode want = half ? naive_causal_mha(layer, x.data(), T_, round_to_bfloat16)
+                                    : naive_causal_mha(layer, x.data(), T_, identity);
+      double worst = 0, rounding = 0;
+      for (Index i = 0; i < y.size(); ++i) {
+        worst = std::max(worst, std::abs(y[i] - want.y[i]) / (1 + std::abs(want.y[i])));
+        rounding = std::max(rounding, std::abs(want.y[i] - unrounded.y[i]));
+      }
+      EXPECT_LE(worst, 1e-12) << "kv_heads " << kv_heads << (half ? " bfloat16 cache" : " full cache");
+      EXPECT_GT(rounding, 1e-6) << "the rounding must be visible for this test to mean anything";
+    }
+  }
 }
 
 // Against the full-precision cache, in float: within the stated bound

@@ -246,6 +246,64 @@ TYPED_TEST(GemmTyped, ProjectionTasksMatchNaiveProductOnAnyThreadCount) {
     }
 }
 
+// With bfloat16 weights (DenseOptions::bfloat16_weights) a Linear rounds
+// its weight once, to the nearest bfloat16 through float, and every product
+// uses the rounded values: one row from the bfloat16 panels, more rows by
+// GEMM, each against a naive product over the rounded weights, on 1-3
+// threads with the same bits, from any first column. Against the float
+// weights, each value moves by at most 2^-8 · Σ_i |x_i w_i| (the stated
+// bound; 2^-24 more for double weights, rounded to float first). Preparing
+// again without the option drops the bfloat16 copy and keeps the rounding.
+TYPED_TEST(GemmTyped, BfloatWeightsAreRoundedOnceAndStayWithinTheirBound) {
+  using T = TypeParam;
+  std::mt19937 rng(29);
+  const Index in = 70;
+  for (const Index out : {1, 63, 64, 65, 129, 300})
+    for (const Index n : {1, 2, 5}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + " out=" + std::to_string(out));
+      const Linear<T> exact{random_matrix<T>(out, in, rng), random_matrix<T>(out, 1, rng).col(0)};
+      Linear<T> lin = exact;
+      lin.prepare(true);
+      for (Index o = 0; o < out; ++o)
+        for (Index i = 0; i < in; ++i)
+          ASSERT_EQ(lin.weight(o, i), T(float(Eigen::bfloat16(float(exact.weight(o, i)))))) << o << ", " << i;
+      ASSERT_GT((lin.weight - exact.weight).cwiseAbs().maxCoeff(), T(0)) << "the rounding must be visible";
+
+      const Matrix<T> x = random_matrix<T>(n, in, rng);
+      Matrix<double> want = naive_product(x, Matrix<T>(lin.weight.transpose()), Matrix<T>(n, out), false);
+      want.rowwise() += lin.bias.template cast<double>().transpose();
+      Matrix<double> unrounded = naive_product(x, Matrix<T>(exact.weight.transpose()), Matrix<T>(n, out), false);
+      unrounded.rowwise() += exact.bias.template cast<double>().transpose();
+      const Matrix<double> magnitude = x.template cast<double>().cwiseAbs() *
+                                       exact.weight.template cast<double>().cwiseAbs().transpose();
+      const double u = std::ldexp(1.0, -8) + (std::is_same_v<T, double> ? std::ldexp(1.0, -24) : 0.0);
+      Matrix<T> one;
+      for (const int threads : {1, 2, 3}) {
+        Matrix<T> y = Matrix<T>::Constant(n, out, std::numeric_limits<T>::quiet_NaN());
+        project_rows<T>(lin, ConstMatrixMap<T>(x.data(), n, in), MatrixMap<T>(y.data(), n, out), threads);
+        expect_close<T>(y, want, in);
+        if (threads == 1) one = y;
+        EXPECT_EQ(y, one) << threads << " threads";
+        for (Index r = 0; r < n; ++r)
+          for (Index o = 0; o < out; ++o)
+            ASSERT_LE(std::abs(double(y(r, o)) - unrounded(r, o)),
+                      u * magnitude(r, o) + 2.0 * double(in + 1) * std::numeric_limits<T>::epsilon())
+                << "against the float weights, row " << r << ", column " << o;
+      }
+      if (n == 1 && out > 3) {  // from a column inside a panel, across the next boundary
+        const Index c0 = out > 64 ? 61 : 2, width = out - c0;
+        Matrix<T> part(1, width);
+        lin.apply_columns(x, c0, part);
+        expect_close<T>(part, want.rightCols(width), in);
+      }
+      lin.prepare(false);
+      EXPECT_EQ(lin.weight_half.rows(), 0);
+      Matrix<T> y(n, out);
+      lin.apply(x, y);
+      expect_close<T>(y, want, in);
+    }
+}
+
 // A step's readout, one row of weights times n value rows: every part
 // boundary (n below, at and past multiples of 4), full 64-column chunks and
 // the columns past them, rows wider than the product (a head's slice of a

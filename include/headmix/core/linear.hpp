@@ -4,6 +4,7 @@
 
 #include "headmix/core/error.hpp"
 #include "headmix/core/gemm.hpp"
+#include "headmix/core/row_product.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/io/io_error.hpp"
 
@@ -24,10 +25,24 @@ struct Linear {
   /// multiplies untransposed operands only (libxsmm): made by prepare(),
   /// which the layers call when built. Empty otherwise, and then unused.
   PackedMatrix<T> weight_packed = {};
+  /// weightᵀ in bfloat16, in the same panels, which a one-row product
+  /// streams instead (half the bytes: a decoding step reads every weight
+  /// once per token). Made by prepare(true); empty otherwise.
+  PackedMatrix<Eigen::bfloat16> weight_half = {};
 
   /// Lay out weightᵀ for the GEMM backend, once (call again after changing
   /// `weight`); a no-op on Eigen's GEMM, which reads weight transposed as is.
-  void prepare() {
+  /// With `bfloat16_weights`, first round `weight` to bfloat16 (to nearest
+  /// even, through float) and keep the bfloat16 copy for one-row products:
+  /// every product then uses the same rounded weights. Without it, drop
+  /// that copy (a rounding made before stays).
+  void prepare(bool bfloat16_weights = false) {
+    using Half = Eigen::bfloat16;
+    weight_half = {};
+    if (bfloat16_weights) {
+      weight = weight.unaryExpr([](T w) { return static_cast<T>(static_cast<float>(Half(static_cast<float>(w)))); });
+      weight_half = PackedMatrix<Half>(weight.transpose().unaryExpr([](T w) { return Half(static_cast<float>(w)); }));
+    }
 #ifdef HEADMIX_USE_LIBXSMM
     weight_packed = PackedMatrix<T>(weight.transpose());
 #endif
@@ -57,10 +72,12 @@ struct Linear {
     auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
     const Index n = y.cols();
     HEADMIX_ASSERT(x.cols() == in_features() && y.rows() == x.rows() && c0 >= 0 && c0 + n <= out_features());
-    if (weight_packed.rows() == in_features() && weight_packed.cols() == out_features())
-      gemm(x, weight_packed.panels().middle_cols(c0, n), y);
-    else
-      y.noalias() = x * weight.middleRows(c0, n).transpose();
+    if (!apply_half_row(x, c0, y)) {
+      if (weight_packed.rows() == in_features() && weight_packed.cols() == out_features())
+        gemm(x, weight_packed.panels().middle_cols(c0, n), y);
+      else
+        y.noalias() = x * weight.middleRows(c0, n).transpose();
+    }
     if (has_bias()) y.rowwise() += bias.segment(c0, n).transpose();
   }
 
@@ -88,12 +105,36 @@ struct Linear {
   Linear<U> cast() const {
     return {weight.template cast<U>(), bias.template cast<U>()};
   }
+
+ private:
+  // Columns [c0, c0 + y.cols()) of x · weightᵀ from weight_half, when
+  // there is one and x is one contiguous row: each panel of weightᵀ
+  // streamed once, its bfloat16 rows widened in registers
+  // (accumulate_rows), products in T. Returns whether it ran.
+  template <class In, class Out>
+  bool apply_half_row(const Eigen::MatrixBase<In>& x, Index c0, Out& y) const {
+    if constexpr (detail::row_major_direct<In>() && detail::row_major_direct<Out>()) {
+      if (x.rows() != 1 || weight_half.rows() != in_features() || x.innerStride() != 1 || y.innerStride() != 1)
+        return false;
+      const Panels<Eigen::bfloat16> panels = weight_half.panels();
+      constexpr Index width = Panels<Eigen::bfloat16>::kWidth;
+      for (Index c = c0, end = c0 + y.cols(); c < end;) {
+        const Index p0 = c / width * width, stride = panels.panel_cols(p0), next = std::min(end, p0 + stride);
+        accumulate_rows(x.derived().data(), panels.panel(p0).data() + (c - p0), in_features(), stride, next - c,
+                        y.derived().data() + (c - c0), false);
+        c = next;
+      }
+      return true;
+    }
+    return false;
+  }
 };
 
-/// prepare() each projection of a layer, when the layer is built.
+/// prepare() each projection of a layer, when the layer is built or its
+/// bfloat16_weights option changes.
 template <class... Linears>
-void prepare_projections(Linears&... linears) {
-  (linears.prepare(), ...);
+void prepare_projections(bool bfloat16_weights, Linears&... linears) {
+  (linears.prepare(bfloat16_weights), ...);
 }
 
 namespace detail {

@@ -34,6 +34,15 @@ struct DenseOptions {
   Index block_rows = 0;         ///< query rows per pipeline task; 0 = chosen from heads, keys and window
   Index key_block = 0;          ///< keys per online-softmax step where heads run alone; 0 = automatic
   int threads = 1;              ///< worker threads; results do not depend on it
+  /// Round the projection weights (Q, K, V, output) to bfloat16 when the
+  /// layer is built or this option is set, and let one-row products (a
+  /// decoding step of one token) read them as bfloat16: half the weight
+  /// bytes per token. Every product uses the rounded weights, so forward
+  /// calls and steps still agree; against the float weights each projected
+  /// value moves by at most 2^-8 · Σ_i |x_i · w_i| (README, "Half-precision
+  /// decoding"). Exact for weights stored in bfloat16. Turning it off keeps
+  /// the rounded values.
+  bool bfloat16_weights = false;
 
   /// The mask of a forward call.
   PositionMask mask() const { return {causal, causal_offset, window}; }

@@ -147,8 +147,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
 
   CollabHead(CollabHeadWeights<T> weights, CollabHeadOptions options) : w_(std::move(weights)), opt_(options) {
     validate(w_, opt_);
-    query_.weight = w_.q, key_.weight = w_.k, content_bias_.weight = w_.content_bias;
-    prepare_projections(query_, key_, content_bias_, w_.v, w_.o);
+    prepare_weights(opt_.bfloat16_weights);
     // Head h only needs the columns between its first and last non-zero
     // mixing entry; an all-zero row needs none (its logits are the content
     // bias alone).
@@ -209,6 +208,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   /// head count is fixed by the mixing matrix.
   void set_options(const CollabHeadOptions& options) {
     validate(w_, options);
+    if (options.bfloat16_weights != opt_.bfloat16_weights) prepare_weights(options.bfloat16_weights);
     opt_ = options;
   }
 
@@ -310,6 +310,14 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
   }
 
  private:
+  // The projections as Linears, prepared (rounded to bfloat16 when asked,
+  // and the held weights with them, so that weights() is what runs).
+  void prepare_weights(bool bfloat16_weights) {
+    query_.weight = w_.q, key_.weight = w_.k, content_bias_.weight = w_.content_bias;
+    prepare_projections(bfloat16_weights, query_, key_, content_bias_, w_.v, w_.o);
+    if (bfloat16_weights) w_.q = query_.weight, w_.k = key_.weight, w_.content_bias = content_bias_.weight;
+  }
+
   enum : std::size_t { kMixSlot = slot::variant, kBiasSlot, kPreNormSlot };
   enum : std::size_t { kMixedQuerySlot = slot::local_variant, kHeadBiasSlot };
 

@@ -79,7 +79,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   Dcmha(DcmhaWeights<T> weights, DcmhaOptions options) : w_(std::move(weights)), opt_(options) {
     validate(opt_);
     prepare();
-    prepare_projections(w_.q, w_.k, w_.v, w_.o);
+    prepare_projections(opt_.bfloat16_weights, w_.q, w_.k, w_.v, w_.o);
   }
 
   /// Build from named tensors (an io::TensorFile, or anything with its
@@ -145,6 +145,8 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
                         options.use_pre != opt_.use_pre || options.use_post != opt_.use_post ||
                         options.query_wise != opt_.query_wise || options.key_wise != opt_.key_wise ||
                         options.static_w != opt_.static_w;
+    if (options.bfloat16_weights != opt_.bfloat16_weights)
+      prepare_projections(options.bfloat16_weights, w_.q, w_.k, w_.v, w_.o);
     opt_ = options;
     if (repack)
       prepare();

@@ -114,7 +114,7 @@ class Lsh : public LayerForms<Lsh<T>, T> {
 
   Lsh(LshWeights<T> weights, LshOptions options) : w_(std::move(weights)), opt_(options) {
     validate(opt_);
-    prepare_projections(w_.qk, w_.v, w_.o);
+    prepare_projections(false, w_.qk, w_.v, w_.o);
   }
 
   /// Build from named tensors (an io::TensorFile, or anything with its

@@ -56,7 +56,7 @@ class Mha : public LayerForms<Mha<T>, T> {
 
   Mha(MhaWeights<T> weights, MhaOptions options) : w_(std::move(weights)), opt_(options) {
     validate(w_, opt_);
-    prepare_projections(w_.q, w_.k, w_.v, w_.o);
+    prepare_projections(opt_.bfloat16_weights, w_.q, w_.k, w_.v, w_.o);
   }
 
   /// Build from named tensors (an io::TensorFile, or anything with the same
@@ -87,6 +87,8 @@ class Mha : public LayerForms<Mha<T>, T> {
   /// calls; validated like the constructor, and left unchanged if invalid.
   void set_options(const MhaOptions& options) {
     validate(w_, options);
+    if (options.bfloat16_weights != opt_.bfloat16_weights)
+      prepare_projections(options.bfloat16_weights, w_.q, w_.k, w_.v, w_.o);
     opt_ = options;
   }
 

@@ -93,7 +93,7 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   TalkingHeads(TalkingHeadsWeights<T> weights, TalkingHeadsOptions options)
       : w_(std::move(weights)), opt_(options) {
     validate(w_, opt_);
-    prepare_projections(w_.q, w_.k, w_.v, w_.o);
+    prepare_projections(opt_.bfloat16_weights, w_.q, w_.k, w_.v, w_.o);
   }
 
   /// Build from named tensors (an io::TensorFile, or anything with the same
@@ -142,6 +142,8 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
   /// calls; validated like the constructor, and left unchanged if invalid.
   void set_options(const TalkingHeadsOptions& options) {
     validate(w_, options);
+    if (options.bfloat16_weights != opt_.bfloat16_weights)
+      prepare_projections(options.bfloat16_weights, w_.q, w_.k, w_.v, w_.o);
     opt_ = options;
   }
 
