@@ -40,7 +40,7 @@ struct DenseOptions {
   /// bytes per token. Every product uses the rounded weights, so forward
   /// calls and steps still agree; against the float weights each projected
   /// value moves by at most 2^-8 · Σ_i |x_i · w_i| (README, "Half-precision
-  /// decoding"). Exact for weights stored in bfloat16. Turning it off keeps
+  /// weights"). Exact for weights stored in bfloat16. Turning it off keeps
   /// the rounded values.
   bool bfloat16_weights = false;
 
