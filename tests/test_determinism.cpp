@@ -11,7 +11,8 @@
 //   * whatever the padded tokens hold (a padded key has weight exactly 0,
 //     so it cannot reach another row). LSH is exempt (padding_isolated):
 //     where a padded token hashes changes which keys share a chunk;
-//   * for decoding steps, across thread counts and buffer addresses.
+//   * for decoding steps, across thread counts and buffer addresses, with
+//     float weights and with bfloat16 ones (options.bfloat16_weights).
 // Across builds (instruction sets, compilers, BLAS) results differ in the
 // last bits; the reference and conformance tests bound that difference.
 //
@@ -255,6 +256,26 @@ TYPED_TEST(Determinism, DecodingSteps) {
     }
     headmix::Workspace<T> ws2;
     EXPECT_TRUE(bit_identical("decoding on 2 threads", serial, decode<T>(p, F::with_threads(p, 2), 0, ws2)));
+
+    // With bfloat16 weights, a one-token step of one sequence streams the
+    // rounded weights (Linear's one-row path): the same checks.
+    auto shape = V::determinism_decoding_shape();
+    shape.B = 1;
+    const auto one = V::template make<T>(shape, 12);
+    auto rounded = [](auto l) {
+      auto options = l.options();
+      options.bfloat16_weights = true;
+      l.set_options(options);
+      return l;
+    };
+    const auto lean = rounded(one.layer());
+    headmix::Workspace<T> lean_ws, lean_fresh, lean_ws2;
+    const Tensor<T> lean_serial = decode<T>(one, lean, 0, lean_ws);
+    EXPECT_TRUE(bit_identical("bfloat16 weights, again", lean_serial, decode<T>(one, lean, 0, lean_ws)));
+    EXPECT_TRUE(bit_identical("bfloat16 weights, token buffers 3 elements in", lean_serial,
+                              decode<T>(one, lean, 3, lean_fresh)));
+    EXPECT_TRUE(bit_identical("bfloat16 weights, 2 threads", lean_serial,
+                              decode<T>(one, rounded(F::with_threads(one, 2)), 0, lean_ws2)));
   }
 }
 
