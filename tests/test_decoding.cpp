@@ -442,8 +442,8 @@ TYPED_TEST(Decoding, ConformanceCausalCasesDecodePositionByPosition) {
 // token (the bfloat16 path) and of three (GEMMs over the rounded weights)
 // agree with the forward of the same layer, on 1 and 2 threads with the
 // same bits, and allocate nothing once sized; the rounding is visible
-// against the layer without the option;
-// turning the option off keeps the rounded weights (the same forward bits).
+// against the layer without the option; turning the option off keeps the
+// rounded weights (the same forward bits).
 TYPED_TEST(Decoding, BfloatWeightsStepsMatchTheirForward) {
   DECODING_VARIANTS_ONLY() {
     auto p = TestFixture::first(1, 9, 45);
