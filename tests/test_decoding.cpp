@@ -705,8 +705,11 @@ double inf_norm(const Matrix<T>& w) {
 // as they stand). The head sizes reach every branch of a one-row step:
 // dk = 3 and 11 (key rows eight at a time, and the rows left over), dv = 5
 // and 70 (a bfloat16 readout's full 64-column chunk, and a narrower one).
+// One-token steps stack a KV group's 3, 6 or 12 heads (the few-row product
+// up to 8 rows, a GEMM past it); steps of 3, 9 and 5 tokens run a head's
+// rows as few rows and as a GEMM; 40 positions pass a 32-column chunk.
 TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
-  const Index T_ = 11;
+  const Index T_ = 40;
   const auto identity = [](double e) { return e; };
   for (auto [dk, dv] : {std::pair{3, 5}, std::pair{11, 70}})
     for (int kv_heads : {4, 2, 1}) {
@@ -714,22 +717,24 @@ TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
       const headmix::Mha<double> layer = p.layer();
       const Tensor<double> x = query_tensor<variants::Mha>(p);
       const NaiveDecode unrounded = naive_causal_mha(layer, x.data(), T_, identity);
-      for (CachePrecision precision : {CachePrecision::full, CachePrecision::bfloat16}) {
-        const bool half = precision == CachePrecision::bfloat16;
-        const Tensor<double> y = decode(layer, x, {1}, 0, precision).out;
-        const NaiveDecode want = half ? naive_causal_mha(layer, x.data(), T_, round_to_bfloat16) : unrounded;
-        double worst = 0, rounding = 0;
-        for (Index i = 0; i < y.size(); ++i) {
-          worst = std::max(worst, std::abs(y[i] - want.y[i]) / (1 + std::abs(want.y[i])));
-          rounding = std::max(rounding, std::abs(want.y[i] - unrounded.y[i]));
+      for (const std::vector<Index>& chunks : {std::vector<Index>{1}, std::vector<Index>{3, 9, 5}})
+        for (CachePrecision precision : {CachePrecision::full, CachePrecision::bfloat16}) {
+          const bool half = precision == CachePrecision::bfloat16;
+          const Tensor<double> y = decode(layer, x, chunks, 0, precision).out;
+          const NaiveDecode want = half ? naive_causal_mha(layer, x.data(), T_, round_to_bfloat16) : unrounded;
+          double worst = 0, rounding = 0;
+          for (Index i = 0; i < y.size(); ++i) {
+            worst = std::max(worst, std::abs(y[i] - want.y[i]) / (1 + std::abs(want.y[i])));
+            rounding = std::max(rounding, std::abs(want.y[i] - unrounded.y[i]));
+          }
+          const std::string what = "dk " + std::to_string(dk) + " dv " + std::to_string(dv) + " kv_heads " +
+                                   std::to_string(kv_heads) + (half ? " bfloat16" : " full") + " first step " +
+                                   std::to_string(chunks[0]);
+          EXPECT_LE(worst, 1e-12) << what;
+          if (half) {
+            EXPECT_GT(rounding, 1e-6) << what << ": the rounding must be visible for this test to mean anything";
+          }
         }
-        const std::string what = "dk " + std::to_string(dk) + " dv " + std::to_string(dv) + " kv_heads " +
-                                 std::to_string(kv_heads) + (half ? " bfloat16" : " full");
-        EXPECT_LE(worst, 1e-12) << what;
-        if (half) {
-          EXPECT_GT(rounding, 1e-6) << what << ": the rounding must be visible for this test to mean anything";
-        }
-      }
     }
 }
 

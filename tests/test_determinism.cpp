@@ -214,23 +214,25 @@ TYPED_TEST(Determinism, PaddedTokensReachNoOtherRow) {
   }
 }
 
-// Token-by-token decoding of p's queries (each batch item a sequence), the
-// token buffers `offset` elements into their storage; every step's
+// Decoding of p's queries (each batch item a sequence) `tokens` at a time,
+// the token buffers `offset` elements into their storage; every step's
 // outputs concatenated.
 template <class T, class P, class Layer>
-Tensor<T> decode(const P& p, const Layer& layer, Index offset, headmix::Workspace<T>& ws) {
+Tensor<T> decode(const P& p, const Layer& layer, Index offset, headmix::Workspace<T>& ws,
+                 headmix::CachePrecision precision = headmix::CachePrecision::full, Index tokens = 1) {
   const auto in = p.input();
   const Index B = in.query.batch(), L = in.query.length(), D = in.query.width(), out_dim = layer.out_dim();
   const Matrix<T> x = rows_of(in.query);
-  headmix::SequenceCache<T> cache(B, L);
+  headmix::SequenceCache<T> cache(B, L, precision);
   Tensor<T> all({B * L * out_dim});
-  for (Index t = 0; t < L; ++t) {
-    Matrix<T> token(B, D);
-    for (Index b = 0; b < B; ++b) token.row(b) = x.row(b * L + t);
-    const Placed<T> tok(token.data(), token.size(), offset);
-    Placed<T> out(nullptr, B * out_dim, offset);
-    layer.step({tok.data, B, 1, D}, cache, {out.data, B, 1, out_dim}, ws);
-    std::copy_n(out.data, B * out_dim, all.data() + t * B * out_dim);
+  for (Index t = 0; t < L; t += tokens) {
+    const Index n = std::min(tokens, L - t);
+    Matrix<T> chunk(B * n, D);
+    for (Index b = 0; b < B; ++b) chunk.middleRows(b * n, n) = x.middleRows(b * L + t, n);
+    const Placed<T> tok(chunk.data(), chunk.size(), offset);
+    Placed<T> out(nullptr, B * n * out_dim, offset);
+    layer.step({tok.data, B, n, D}, cache, {out.data, B, n, out_dim}, ws);
+    std::copy_n(out.data, B * n * out_dim, all.data() + t * B * out_dim);
   }
   return all;
 }
@@ -276,6 +278,19 @@ TYPED_TEST(Determinism, DecodingSteps) {
                               decode<T>(one, lean, 3, lean_fresh)));
     EXPECT_TRUE(bit_identical("bfloat16 weights, 2 threads", lean_serial,
                               decode<T>(one, rounded(F::with_threads(one, 2)), 0, lean_ws2)));
+
+    // Over a bfloat16 cache, in steps of 3 tokens (a step's few rows
+    // streaming over the stored bfloat16 rows): the same checks.
+    if (V::bf16_cache_refusal == nullptr) {
+      const auto half = headmix::CachePrecision::bfloat16;
+      headmix::Workspace<T> half_ws, half_fresh, half_ws2;
+      const Tensor<T> half_serial = decode<T>(p, layer, 0, half_ws, half, 3);
+      EXPECT_TRUE(bit_identical("bfloat16 cache, again", half_serial, decode<T>(p, layer, 0, half_ws, half, 3)));
+      EXPECT_TRUE(bit_identical("bfloat16 cache, token buffers 5 elements in", half_serial,
+                                decode<T>(p, layer, 5, half_fresh, half, 3)));
+      EXPECT_TRUE(bit_identical("bfloat16 cache, 2 threads", half_serial,
+                                decode<T>(p, F::with_threads(p, 2), 0, half_ws2, half, 3)));
+    }
   }
 }
 

@@ -339,6 +339,45 @@ TYPED_TEST(GemmTyped, OneRowTimesStoredRowsMatchesNaiveProduct) {
       }
 }
 
+// A step's few rows (a KV group's heads, a few tokens) times n bfloat16
+// rows, for every row count it takes: full 32-column chunks and the columns
+// past them, n of 0 and past a key block, strided operands, accumulating or
+// not, against naive double loops over the widened values. Each row's sums
+// run in the order of that row alone: its bits equal those of the row
+// multiplied on its own, and of the product from rows at another address.
+TYPED_TEST(GemmTyped, FewRowsTimesBfloat16RowsMatchNaiveProduct) {
+  using T = TypeParam;
+  std::mt19937 rng(29);
+  for (Index R = 1; R <= kFewRows; ++R)
+    for (const Index n : {0, 1, 5, 64, 203})
+      for (const Index width : {1, 31, 32, 33, 70, 130})
+        for (bool accumulate : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "R=" << R << " n=" << n << " width=" << width
+                                            << " accumulate=" << accumulate);
+          const Index stride = width + 3;
+          const Matrix<T> w = random_matrix<T>(R, n + 2, rng), c0 = random_matrix<T>(R, width + 2, rng);
+          std::vector<Eigen::bfloat16> half(n * stride + 1);
+          Matrix<T> widened(n, width);
+          for (Index i = 0; i < n; ++i)
+            for (Index j = 0; j < stride; ++j) {
+              half[i * stride + j] = Eigen::bfloat16(float(rng() % 2001) / 1000.0f - 1.0f);
+              if (j < width) widened(i, j) = static_cast<T>(float(half[i * stride + j]));
+            }
+          Matrix<T> c = c0;
+          multiply_few_rows(R, w.data(), w.cols(), half.data(), n, stride, width, c.data(), c.cols(), accumulate);
+          expect_close<T>(c.leftCols(width), naive_product(w.leftCols(n), widened, c0.leftCols(width), accumulate), n);
+          EXPECT_EQ(c.rightCols(2), c0.rightCols(2)) << "columns past the product are written";
+
+          std::copy(half.begin(), half.end() - 1, half.begin() + 1);  // the same rows, one element further in
+          for (Index r = 0; r < R; ++r) {
+            Matrix<T> alone = c0.row(r);
+            multiply_few_rows(1, w.row(r).data(), w.cols(), half.data() + 1, n, stride, width, alone.data(),
+                              alone.cols(), accumulate);
+            EXPECT_EQ(alone.leftCols(width), c.row(r).leftCols(width)) << "row " << r << " alone, rows moved";
+          }
+        }
+}
+
 // The readout's sums are ordered by the number of rows alone: the same
 // product from rows at other addresses gives the same bits.
 TYPED_TEST(GemmTyped, OneRowProductBitIdenticalAtAnyAddress) {

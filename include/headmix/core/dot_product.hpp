@@ -18,8 +18,11 @@
 // a column to every row) and V_h alike, in bfloat16 when the cache holds
 // them so: a step's one query row streams over the stored rows,
 // multiplying (and widening, in registers) as it goes (stream_key_rows;
-// row_product.hpp for V); several rows (grouped heads, a prompt) run GEMMs,
-// on bfloat16 blocks widened into worker scratch just before their product.
+// row_product.hpp for V). From a bfloat16 cache, a few rows (a KV group's
+// heads, a few tokens) stream too, each value widened once for all of them
+// (multiply_few_rows); many (a prompt) run GEMMs, on blocks widened into
+// worker scratch just before their product; from a full cache, more than
+// one row runs a GEMM.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
@@ -61,7 +64,7 @@ struct DotProductStages {
     multiply_by_keys(qa, b, a / k_group, k0, out, ws, w);
   }
   /// out [count, cols]: row i = Q_{a0 + i}[q0] · K_{a0 / k_group}[k0 .. k0 + cols)ᵀ, the scores of
-  /// `count` heads that share a K head, for one query: one GEMM where
+  /// `count` heads that share a K head, for one query: one product where
   /// per-head scores would be `count` matrix-vector products.
   void score_group(Index b, Index a0, Index count, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>& ws,
                    int w) const {
@@ -124,14 +127,19 @@ struct DotProductStages {
   }
 
   /// out (+)= weights · V_{c / v_group}[k0 .. k0 + weights.cols()) of batch
-  /// item b (multiply_rows over values()), or, for one query row over a
-  /// bfloat16 cache (a decoding step), one streaming pass over the stored rows.
+  /// item b (multiply_rows over values()), or, for up to kFewRows rows of
+  /// weights over a bfloat16 cache (a decoding step), one streaming pass
+  /// over the stored rows.
   template <class Weights, class Out>
   void multiply_values(const Weights& weights, Index b, Index c, Index k0, Out&& out, bool accumulate,
                        Workspace<T>& ws, int w) const {
     if (v_half && weights.rows() == 1 && weights.innerStride() == 1 && out.innerStride() == 1)
       return accumulate_rows(weights.data(), v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv,
                              weights.cols(), dv, dv, out.data(), accumulate);
+    if (v_half && weights.rows() <= kFewRows && weights.innerStride() == 1 && out.innerStride() == 1)
+      return multiply_few_rows(weights.rows(), weights.data(), weights.outerStride(),
+                               v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv, weights.cols(), dv, dv,
+                               out.data(), out.outerStride(), accumulate);
     multiply_rows(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate);
   }
 
@@ -150,9 +158,12 @@ struct DotProductStages {
       gemm(lhs, ConstStridedMap<T>(kt + (b * k_heads + h) * dk * kt_stride + k0, dk, cols,
                                    Eigen::OuterStride<>(kt_stride)),
            out);
-    } else if (k_half && lhs.rows() == 1) {  // several rows reuse each widened block: the GEMM below
+    } else if (k_half && lhs.rows() == 1) {
       stream_key_rows(lhs, bfloat16_bits(k_half + (b * k_heads + h) * dk * kt_stride + k0), cols, out.data());
-    } else if (k_half) {  // widened 64 KiB at a time, which the product then reads from L2
+    } else if (k_half && lhs.rows() <= kFewRows) {
+      multiply_few_rows(lhs.rows(), lhs.data(), lhs.outerStride(), k_half + (b * k_heads + h) * dk * kt_stride + k0,
+                        dk, kt_stride, cols, out.data(), cols, false);
+    } else if (k_half) {  // many rows reuse each widened block: widened 64 KiB at a time, read by the GEMM from L2
       const Index chunk = std::max<Index>(64, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / 64 * 64);
       T* keys_t = ws.local(w, slot::widened_key, dk * std::min(chunk, cols));
       const Half* from = k_half + (b * k_heads + h) * dk * kt_stride + k0;
@@ -175,8 +186,8 @@ struct DotProductStages {
   // arithmetic of one row at a time.
   // A GEMM tile would read 64 rows at once, more streams than the hardware
   // prefetchers follow, and a step is bound by this read. (Several query
-  // rows, a KV group's heads, stay on the GEMM: streaming them was slower,
-  // 0.53-0.55 of the read yardstick against 0.69-0.78.)
+  // rows of a float cache, a KV group's heads, stay on the GEMM: streaming
+  // them was slower, 0.53-0.55 of the read yardstick against 0.69-0.78.)
   template <class Lhs, class Stored>
   void stream_key_rows(const Lhs& lhs, const Stored* from, Index cols, T* o) const {
     std::fill_n(o, cols, T(0));

@@ -181,11 +181,11 @@ void read_values(const Policy& policy, const Weights& weights, Index b, Index c,
 }
 
 /// One query row of every head, `group` heads at a time stacked as the rows
-/// of one tile: they share each K block, so a score block is one GEMM that
+/// of one tile: they share each K block, so a score block is one product that
 /// reads K once, where one head at a time would make `group`
 /// matrix-vector products each reading it. When they share V too
-/// (`shared_values`), a readout block is one GEMM as well; else each row
-/// reads its own head's V. `context_row`: the query's [heads · dv] output,
+/// (`shared_values`), a readout block is one product as well; else each
+/// row reads its own head's V. `context_row`: the query's [heads · dv] output,
 /// which holds the group's outputs as a [group, dv] matrix; `probs`
 /// (nullable): head 0's row of exported weights, `head_stride` apart per
 /// head.
@@ -207,7 +207,7 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
       policy.score_group(b, h0, n_heads, t, q0, kb, ws, w);
       softmax.absorb(t, q0, kb, S, mask, bias ? bias + (kb - k0) : nullptr, out, 0);
       if (shared_values)
-        gemm(t, policy.values(b, h0, kb, t.cols(), ws, w), out, true);
+        read_values(policy, t, b, h0, kb, out, true, ws, w);
       else
         for (Index i = 0; i < n_heads; ++i) read_values(policy, t.row(i), b, h0 + i, kb, out.row(i), true, ws, w);
     }
