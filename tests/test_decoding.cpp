@@ -545,12 +545,14 @@ TYPED_TEST(Decoding, HalfCacheHoldsKeysAndValuesInBfloat16OrIsRefused) {
 // MHA's own: the grouped-query cache layout, and the bfloat16 cache against
 // naive double loops and within its derived bound
 
-// A causal MHA problem of H = 4 query heads over `kv_heads` K/V heads.
+// A causal MHA problem of H query heads (4 unless said) over `kv_heads`
+// K/V heads, in blocks of `block_rows` query rows.
 template <class T>
-mha_case::Problem<T> gqa_problem(int kv_heads, int B, int T_, int D, int dk, int dv, int out, unsigned seed) {
+mha_case::Problem<T> gqa_problem(int kv_heads, int B, int T_, int D, int dk, int dv, int out, unsigned seed, int H = 4,
+                                 int block_rows = 4) {
   mha_case::Shape s;
-  s.B = B, s.T = T_, s.D = D, s.H = 4, s.Hkv = kv_heads, s.Dk = dk, s.Dv = dv, s.out = out, s.causal = true;
-  s.block_rows = 4;
+  s.B = B, s.T = T_, s.D = D, s.H = H, s.Hkv = kv_heads, s.Dk = dk, s.Dv = dv, s.out = out, s.causal = true;
+  s.block_rows = block_rows;
   return mha_case::make_problem<T>(s, seed);
 }
 
@@ -713,7 +715,7 @@ TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
   const auto identity = [](double e) { return e; };
   for (auto [dk, dv] : {std::pair{3, 5}, std::pair{11, 70}})
     for (int kv_heads : {4, 2, 1}) {
-      const auto p = gqa_problem<double>(kv_heads, 1, T_, 12, dk, dv, 7, 61);
+      const auto p = gqa_problem<double>(kv_heads, 1, T_, 12, dk, dv, 7, 61, 12, 16);
       const headmix::Mha<double> layer = p.layer();
       const Tensor<double> x = query_tensor<variants::Mha>(p);
       const NaiveDecode unrounded = naive_causal_mha(layer, x.data(), T_, identity);

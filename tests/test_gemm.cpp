@@ -368,10 +368,11 @@ TYPED_TEST(GemmTyped, FewRowsTimesBfloat16RowsMatchNaiveProduct) {
           expect_close<T>(c.leftCols(width), naive_product(w.leftCols(n), widened, c0.leftCols(width), accumulate), n);
           EXPECT_EQ(c.rightCols(2), c0.rightCols(2)) << "columns past the product are written";
 
-          std::copy(half.begin(), half.end() - 1, half.begin() + 1);  // the same rows, one element further in
+          std::vector<Eigen::bfloat16> moved(half.size() + 1);  // the same rows, one element further in
+          std::copy(half.begin(), half.end(), moved.begin() + 1);
           for (Index r = 0; r < R; ++r) {
             Matrix<T> alone = c0.row(r);
-            multiply_few_rows(1, w.row(r).data(), w.cols(), half.data() + 1, n, stride, width, alone.data(),
+            multiply_few_rows(1, w.row(r).data(), w.cols(), moved.data() + 1, n, stride, width, alone.data(),
                               alone.cols(), accumulate);
             EXPECT_EQ(alone.leftCols(width), c.row(r).leftCols(width)) << "row " << r << " alone, rows moved";
           }

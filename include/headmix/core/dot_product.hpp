@@ -136,10 +136,12 @@ struct DotProductStages {
     if (v_half && weights.rows() == 1 && weights.innerStride() == 1 && out.innerStride() == 1)
       return accumulate_rows(weights.data(), v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv,
                              weights.cols(), dv, dv, out.data(), accumulate);
-    if (v_half && weights.rows() <= kFewRows && weights.innerStride() == 1 && out.innerStride() == 1)
-      return multiply_few_rows(weights.rows(), weights.data(), weights.outerStride(),
-                               v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv, weights.cols(), dv, dv,
-                               out.data(), out.outerStride(), accumulate);
+    if constexpr (detail::row_major_direct<Weights>() && detail::row_major_direct<std::decay_t<Out>>()) {
+      if (v_half && weights.rows() <= kFewRows && weights.innerStride() == 1 && out.innerStride() == 1)
+        return multiply_few_rows(weights.rows(), weights.data(), weights.outerStride(),
+                                 v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv, weights.cols(), dv,
+                                 dv, out.data(), out.outerStride(), accumulate);
+    }
     multiply_rows(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate);
   }
 

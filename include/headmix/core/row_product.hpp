@@ -135,7 +135,8 @@ void accumulate_rows(const T* weights, const Eigen::bfloat16* rows, Index n, Ind
 }
 
 /// The most rows of weights multiply_few_rows takes: a grouped-query
-/// step's heads per KV head, up to 8 ([8, 32] sums fill 16 registers).
+/// step's heads per KV head, up to 8 ([8, 32] float sums fill 16 AVX-512
+/// registers).
 constexpr Index kFewRows = 8;
 
 namespace detail {
@@ -149,15 +150,16 @@ namespace detail {
 template <int R, Index M, class T, class Stored>
 void add_few_rows(const T* weights, Index weight_stride, const Stored* rows, Index n, Index stride, Index m, T* out,
                   Index out_stride) {
-  constexpr Index kMax = M > 0 ? M : 32, kAhead = 128 / static_cast<Index>(sizeof(Stored));
+  constexpr Index kMax = M > 0 ? M : 32;
+  constexpr std::uintptr_t kAhead = 128;  // bytes
   const Index width = M > 0 ? M : m;
   T sum[R][kMax];
   for (int r = 0; r < R; ++r)
     for (Index j = 0; j < width; ++j) sum[r][j] = out[r * out_stride + j];
   for (Index i = 0; i < n; ++i) {
     T value[kMax];
-#if defined(__GNUC__)
-    __builtin_prefetch(rows + i * stride + kAhead);
+#if defined(__GNUC__)  // an address, not a pointer: it may lie past the rows
+    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(rows + i * stride) + kAhead));
 #endif
     for (Index j = 0; j < width; ++j) value[j] = widened<T>(rows + i * stride + j);
     for (int r = 0; r < R; ++r) {
@@ -194,7 +196,7 @@ void multiply_few_rows(const T* weights, Index weight_stride, const Stored* rows
 template <class T>
 void multiply_few_rows(Index R, const T* weights, Index weight_stride, const Eigen::bfloat16* rows, Index n,
                        Index stride, Index width, T* out, Index out_stride, bool accumulate) {
-  HEADMIX_ASSERT(R >= 1 && R <= kFewRows);
+  HEADMIX_ASSERT(R >= 0 && R <= kFewRows);
   if (!accumulate)
     for (Index r = 0; r < R; ++r) std::fill_n(out + r * out_stride, width, T(0));
   auto run = [&](auto rows_known) {
@@ -209,7 +211,8 @@ void multiply_few_rows(Index R, const T* weights, Index weight_stride, const Eig
     case 5: return run(std::integral_constant<int, 5>{});
     case 6: return run(std::integral_constant<int, 6>{});
     case 7: return run(std::integral_constant<int, 7>{});
-    default: return run(std::integral_constant<int, 8>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    default: return;  // no rows (or, past the assertion, too many: nothing written)
   }
 }
 
