@@ -1,5 +1,5 @@
-// One query row times stored rows, the readout of a decoding step, and how
-// a cache's bfloat16 values become T.
+// One query row (or a few: multiply_few_rows) times stored rows, the
+// readout of a decoding step, and how a cache's bfloat16 values become T.
 //
 // A step multiplies one row of weights by every value row of a head
 // ([keys, dv]): a matrix-vector product bound by reading the rows. Read as
