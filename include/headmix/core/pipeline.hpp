@@ -180,9 +180,9 @@ void read_values(const Policy& policy, const Weights& weights, Index b, Index c,
     multiply_rows(weights, policy.values(b, c, k0, weights.cols(), ws, w), out, accumulate);
 }
 
-/// One query row of every head, `group` heads at a time stacked as the rows
-/// of one tile: they share each K block, so a score block is one product that
-/// reads K once, where one head at a time would make `group`
+/// One query row of heads [h_begin, h_end), `group` heads at a time stacked
+/// as the rows of one tile: they share each K block, so a score block is one
+/// product that reads K once, where one head at a time would make `group`
 /// matrix-vector products each reading it. When they share V too
 /// (`shared_values`), a readout block is one product as well; else each
 /// row reads its own head's V. `context_row`: the query's [heads · dv] output,
@@ -192,12 +192,12 @@ void read_values(const Policy& policy, const Weights& weights, Index b, Index c,
 template <class T, class Policy>
 void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1, Index S, const PositionMask& mask,
                     const T* bias, Index key_block, Index group, bool shared_values, T* context_row, T* probs,
-                    Index head_stride, Workspace<T>& ws, int w) {
-  const Index hv = policy.value_heads(), dv = policy.value_dim();
+                    Index head_stride, Workspace<T>& ws, int w, Index h_begin, Index h_end) {
+  const Index dv = policy.value_dim();
   T* buf = ws.local(w, slot::tile_a, group * key_block);
   OnlineSoftmax<T> softmax(ws.local(w, slot::row_stats, 2 * group), group);
-  for (Index h0 = 0; h0 < hv; h0 += group) {
-    const Index n_heads = std::min(group, hv - h0);
+  for (Index h0 = h_begin; h0 < h_end; h0 += group) {
+    const Index n_heads = std::min(group, h_end - h0);
     auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, n_heads, std::min(key_block, k1 - kb)); };
     Eigen::Map<Matrix<T>> out(context_row + h0 * dv, n_heads, dv);
     out.setZero();
@@ -326,10 +326,13 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     const auto keys = run.mask.block_range(q0, rows, S);  // keys no row of the block sees are skipped
     const Index k0 = keys.first, k1 = keys.second;
     const Index cols = k1 - k0;
-    // A decoding step over shared keys (grouped-query, CollabHead) scores
-    // every head in one product, in the block's first task.
+    // A decoding step over shared keys scores the heads that share them in
+    // one product: a grouped-query KV group in its own task (the groups
+    // split over the threads); CollabHead's heads, which share K but not V,
+    // all in the block's first task.
     const bool stacked_step = !mixes && rows == 1 && stacked_key_group(policy, hv) > 1;
-    if (stacked_step && head_task > 0) return;
+    const bool task_per_group = stacked_step && group_heads == stacked_key_group(policy, hv);
+    if (stacked_step && !task_per_group && head_task > 0) return;
     const T* bias = nullptr;
     if (!run.padding.empty()) {
       T* buf = ws.local(w, slot::key_bias, cols);
@@ -368,7 +371,9 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
           const Index key_group = stacked_key_group(policy, hv);
           detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group,
                                  group_heads == key_group, &context(b * T_ + q0, 0),
-                                 probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S, ws, w);
+                                 probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S, ws, w,
+                                 task_per_group ? head_task * group_heads : 0,
+                                 task_per_group ? std::min(hv, (head_task + 1) * group_heads) : hv);
           return;
         }
       }
