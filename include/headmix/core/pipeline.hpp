@@ -330,8 +330,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     // one product: a grouped-query KV group in its own task (the groups
     // split over the threads); CollabHead's heads, which share K but not V,
     // all in the block's first task.
-    const bool stacked_step = !mixes && rows == 1 && stacked_key_group(policy, hv) > 1;
-    const bool task_per_group = stacked_step && group_heads == stacked_key_group(policy, hv);
+    const Index key_group = stacked_key_group(policy, hv);
+    const bool stacked_step = !mixes && rows == 1 && key_group > 1, task_per_group = group_heads == key_group;
     if (stacked_step && !task_per_group && head_task > 0) return;
     const T* bias = nullptr;
     if (!run.padding.empty()) {
@@ -368,9 +368,8 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       auto out_of = [&](Index h) { return context.block(b * T_ + q0, h * dv, rows, dv); };
       if constexpr (stacks_heads<Policy>::value) {
         if (stacked_step) {
-          const Index key_group = stacked_key_group(policy, hv);
-          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group,
-                                 group_heads == key_group, &context(b * T_ + q0, 0),
+          detail::attend_stacked(policy, b, q0, k0, k1, S, run.mask, bias, key_block, key_group, task_per_group,
+                                 &context(b * T_ + q0, 0),
                                  probs ? probs + (b * hv * T_ + q0) * S : nullptr, T_ * S, ws, w,
                                  task_per_group ? head_task * group_heads : 0,
                                  task_per_group ? std::min(hv, (head_task + 1) * group_heads) : hv);
