@@ -215,16 +215,19 @@ TYPED_TEST(GemmTyped, LinearAppliesPreparedAndUnpreparedWeights) {
   expect_close<T>(y, want, 300);
 }
 
-// A projection runs in tasks of 64 rows, or of 128 columns for at most 64
-// rows (project_rows): at and past those boundaries it gives x·Wᵀ + b, the
-// same bits on 1, 2 and 3 threads, and under libxsmm the bits of one
-// apply() over the whole input (column tasks start at panel boundaries).
+// A projection runs in tasks of 64 rows (a lone last row joining the task
+// before it), or of 128 columns for at most 64 rows (project_rows): at and
+// past those boundaries it gives x·Wᵀ + b, the same bits on 1, 2 and 3
+// threads, and under libxsmm the bits of one apply() over the whole input
+// (column tasks start at panel boundaries; one row streams the panels, a
+// sum per column, and no row of a longer input takes that path alone).
+// One row from a column inside a panel gives the same values.
 TYPED_TEST(GemmTyped, ProjectionTasksMatchNaiveProductOnAnyThreadCount) {
   using T = TypeParam;
   std::mt19937 rng(17);
   const Index in = 70;
   for (const Index out : {1, 127, 128, 129, 300})
-    for (const Index n : {1, 5, 64, 65, 130}) {
+    for (const Index n : {1, 5, 64, 65, 129, 130}) {
       Linear<T> lin{random_matrix<T>(out, in, rng), random_matrix<T>(out, 1, rng).col(0)};
       lin.prepare();
       const Matrix<T> x = random_matrix<T>(n, in, rng);
@@ -242,6 +245,12 @@ TYPED_TEST(GemmTyped, ProjectionTasksMatchNaiveProductOnAnyThreadCount) {
         if (std::string(gemm_backend()) == "libxsmm") {
           EXPECT_EQ(y, whole);
         }
+      }
+      if (n == 1 && out > 3) {  // from a column inside a panel, across the next boundary
+        const Index c0 = out > 64 ? 61 : 2, width = out - c0;
+        Matrix<T> part(1, width);
+        lin.apply_columns(x, c0, part);
+        expect_close<T>(part, want.rightCols(width), in);
       }
     }
 }
