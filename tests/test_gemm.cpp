@@ -255,6 +255,23 @@ TYPED_TEST(GemmTyped, ProjectionTasksMatchNaiveProductOnAnyThreadCount) {
     }
 }
 
+// A Linear with no input features gives its bias, one row (the one-row
+// product over empty panels) or several, with float or bfloat16 weights.
+TYPED_TEST(GemmTyped, LinearWithoutInputFeaturesGivesItsBias) {
+  using T = TypeParam;
+  std::mt19937 rng(41);
+  for (const bool half : {false, true})
+    for (const Index n : {1, 3}) {
+      SCOPED_TRACE(std::string(half ? "bfloat16" : "float") + " weights, n=" + std::to_string(n));
+      Linear<T> lin{Matrix<T>(70, 0), random_matrix<T>(70, 1, rng).col(0)};
+      lin.prepare(half);
+      const Matrix<T> x(n, 0);
+      Matrix<T> y = Matrix<T>::Constant(n, 70, std::numeric_limits<T>::quiet_NaN());
+      project_rows<T>(lin, ConstMatrixMap<T>(x.data(), n, 0), MatrixMap<T>(y.data(), n, 70), 2);
+      for (Index r = 0; r < n; ++r) EXPECT_EQ(Matrix<T>(y.row(r)), Matrix<T>(lin.bias.transpose()));
+    }
+}
+
 // With bfloat16 weights (DenseOptions::bfloat16_weights) a Linear rounds
 // its weight once, to the nearest bfloat16 through float, and every product
 // uses the rounded values: one row from the bfloat16 panels, more rows by

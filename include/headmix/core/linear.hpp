@@ -22,8 +22,9 @@ struct Linear {
   Matrix<T> weight;  ///< [out_features, in_features]
   Vector<T> bias;    ///< [out_features], or empty for no bias
   /// weightᵀ [in_features, out_features] packed for the GEMM backend when it
-  /// multiplies untransposed operands only (libxsmm): made by prepare(),
-  /// which the layers call when built. Empty otherwise, and then unused.
+  /// multiplies untransposed operands only (libxsmm), which one-row products
+  /// stream too: made by prepare(), which the layers call when built. Empty
+  /// otherwise, and then unused.
   PackedMatrix<T> weight_packed = {};
   /// weightᵀ in bfloat16, in the same panels, which a one-row product
   /// streams instead of weight_packed (half the bytes: a decoding step
@@ -67,8 +68,10 @@ struct Linear {
 
   /// Output columns [c0, c0 + y.cols()) of `x · weightᵀ + bias` into `y`.
   /// From a multiple of 64 (a panel boundary of weight_packed), libxsmm
-  /// runs the tiles apply() would run there, and a one-row product the
-  /// same column sums: the same bits.
+  /// runs the tiles apply() would run there: the same bits. So does a
+  /// one-row product that also ends on a panel boundary or at the last
+  /// column (its sums for a full 64-column chunk and for a narrower rest
+  /// may contract into FMAs differently).
   template <class In, class Out>
   void apply_columns(const Eigen::MatrixBase<In>& x, Index c0, Eigen::MatrixBase<Out> const& y_) const {
     auto& y = const_cast<Eigen::MatrixBase<Out>&>(y_);
@@ -110,12 +113,13 @@ struct Linear {
 
  private:
   // Columns [c0, c0 + y.cols()) of x · weightᵀ when x is one contiguous
-  // row and the weights are in panels (weight_half, else weight_packed): a
-  // matrix-vector product bound by reading the weights, which
-  // accumulate_rows streams (bfloat16 rows widened in registers), products
-  // in T. A decoding step's projections read weights its cache has evicted:
-  // D = 1024, float, 0.80-0.82x the time of libxsmm's one-row GEMM (about
-  // equal when the weights are in cache). Returns whether it ran.
+  // row and the weights are in panels (weight_half, else weight_packed,
+  // which libxsmm builds have): a matrix-vector product bound by reading
+  // the weights, which accumulate_rows streams (bfloat16 rows widened in
+  // registers), products in T. A decoding step's projections read weights
+  // its cache has evicted: D = 1024, float, 0.80-0.82x the time of
+  // libxsmm's one-row GEMM (about equal when the weights are in cache).
+  // Returns whether it ran.
   template <class In, class Out>
   bool apply_one_row(const Eigen::MatrixBase<In>& x, Index c0, Out& y) const {
     if constexpr (detail::row_major_direct<In>() && detail::row_major_direct<Out>()) {
@@ -130,7 +134,8 @@ struct Linear {
         }
         return true;
       };
-      if (weight_half.rows() == in_features()) return stream(weight_half.panels());
+      if (weight_half.rows() == in_features() && weight_half.cols() == out_features())
+        return stream(weight_half.panels());
       if (weight_packed.rows() == in_features() && weight_packed.cols() == out_features())
         return stream(weight_packed.panels());
     }

@@ -161,7 +161,7 @@ void parallel_for(Index tasks, int threads, Fn&& fn) {
   if (error) std::rethrow_exception(error);
 }
 
-/// `out = in · Wᵀ + b` in tasks of 64 rows, or, for at most 64 rows (a
+/// `out = in · Wᵀ + b` in tasks of 64 rows, or, for one task's rows (a
 /// decoding step, a short chunk), of 128 output columns (two of the GEMM's
 /// 64-column panels). The tasks are fixed by the shapes, so the GEMMs, and
 /// the results, do not depend on the thread count, and a short input still
@@ -175,7 +175,7 @@ void project_rows(const LinearT& linear, const Eigen::Map<const Matrix<T>>& in, 
   constexpr Index row_chunk = 64;
   const Index n = in.rows(), cols = out.cols();
   const Index row_tasks = n > 1 && n % row_chunk == 1 ? n / row_chunk : (n + row_chunk - 1) / row_chunk;
-  const Index col_chunk = n > row_chunk ? std::max<Index>(1, cols) : 128;
+  const Index col_chunk = row_tasks > 1 ? std::max<Index>(1, cols) : 128;
   const Index col_tasks = std::max<Index>(1, (cols + col_chunk - 1) / col_chunk);
   parallel_for(row_tasks * col_tasks, threads, [&](Index task, int) {
     const Index r0 = task / col_tasks * row_chunk, c0 = task % col_tasks * col_chunk;
