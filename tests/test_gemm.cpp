@@ -406,14 +406,18 @@ TYPED_TEST(GemmTyped, FewRowsTimesBfloat16RowsMatchNaiveProduct) {
 }
 
 // The readout's sums are ordered by the number of rows alone: the same
-// product from rows at other addresses gives the same bits.
+// product from rows at other addresses gives the same bits, from T rows
+// and from bfloat16 rows.
 TYPED_TEST(GemmTyped, OneRowProductBitIdenticalAtAnyAddress) {
   using T = TypeParam;
   std::mt19937 rng(23);
-  const Index n = 301, width = 64;
+  const Index n = 301, width = 128;
   const Matrix<T> w = random_matrix<T>(1, n, rng), rows0 = random_matrix<T>(n, width, rng);
-  Matrix<T> c0(1, width);
+  std::vector<Eigen::bfloat16> half0(n * width);
+  for (Index i = 0; i < n * width; ++i) half0[i] = Eigen::bfloat16(float(rows0.data()[i]));
+  Matrix<T> c0(1, width), h0(1, width);
   multiply_rows(w, rows0, c0, false);
+  accumulate_rows(w.data(), half0.data(), n, width, width, h0.data(), false);
   for (Index shift = 1; shift < 4; ++shift) {
     std::vector<T> buf(n * width + shift);
     MatrixMap<T> rows(buf.data() + shift, n, width);
@@ -421,6 +425,10 @@ TYPED_TEST(GemmTyped, OneRowProductBitIdenticalAtAnyAddress) {
     Matrix<T> c(1, width);
     multiply_rows(w, rows, c, false);
     EXPECT_EQ(c, c0) << "rows shifted by " << shift << " elements";
+    std::vector<Eigen::bfloat16> half(n * width + shift);
+    std::copy(half0.begin(), half0.end(), half.begin() + shift);
+    accumulate_rows(w.data(), half.data() + shift, n, width, width, c.data(), false);
+    EXPECT_EQ(c, h0) << "bfloat16 rows shifted by " << shift << " elements";
   }
 }
 
