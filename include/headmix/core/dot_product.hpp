@@ -194,7 +194,7 @@ struct DotProductStages {
   // them was slower, 0.53-0.55 of the read yardstick against 0.69-0.78.)
   // bfloat16 rows are also prefetched 2 KiB ahead: widening doubles the
   // instructions per cache line, so the out-of-order window alone keeps half
-  // as many lines in flight (a step took 0.91-0.95x its time, Zen 5; float
+  // as many lines in flight (a step took 0.89-0.95x its time, Zen 5; float
   // rows gain nothing from it).
   template <class Lhs, class Stored>
   void stream_key_rows(const Lhs& lhs, const Stored* from, Index cols, T* o) const {

@@ -169,7 +169,7 @@ void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Ind
 /// registers as it streams past (widening a block first would write and
 /// reread it), 64 columns at a time. With AVX-512BW, float sums over a
 /// full chunk take the float kernel's four quarters
-/// (detail::add_bfloat16_quarters_64: a bfloat16 MHA step took 0.92-0.95x
+/// (detail::add_bfloat16_quarters_64: a bfloat16 MHA step took 0.92x
 /// the time of one pass, Zen 5); otherwise one pass. A full chunk keeps
 /// its sums in registers (a fixed trip count); a variable one kept them on
 /// the stack (the step ran ~4% slower).
