@@ -728,9 +728,9 @@ void Suite::print_tables() const {
   bool half = false;
   each("half_cache", [&](const Record&) { half = true; });
   if (half) {
-    std::printf("\n   The same steps over a bfloat16 cache (K and V stored in half precision, products in float),\n"
-                "   with float weights and with bfloat16 weights (options.bfloat16_weights): full-cache, float-weight\n"
-                "   step / bf16 step = the speed-up per token:\n");
+    std::printf("\n   The same steps over a bfloat16 cache (K and V, and DCMHA's key-side factors, stored in half\n"
+                "   precision, products in float), with float weights and with bfloat16 weights\n"
+                "   (options.bfloat16_weights): full-cache, float-weight step / bf16 step = the speed-up per token:\n");
     std::printf("   %-13s %-22s %-8s %10s %9s %9s  %-22s\n", "variant", "shape", "weights", "MiB/step", "bf16 ms",
                 "GB/s", "full / bf16");
     each("half_cache", [](const Record& r) {

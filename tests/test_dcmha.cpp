@@ -334,20 +334,69 @@ TYPED_TEST(DcmhaTest, Accessors) {
 // ---------------------------------------------------------------------------
 // Incremental decoding: DCMHA's own (the shared checks: test_decoding.cpp)
 
-// p's sequences decoded token by token: the outputs [B, T, out].
+// p's sequences decoded by steps of `first` tokens, then of one: the
+// outputs [B, T, out].
 template <class T>
-Tensor<T> decode_tokens(const Problem<T>& p) {
+Tensor<T> decode_tokens(const Problem<T>& p, CachePrecision precision = CachePrecision::full, Index first = 1) {
   const Dcmha<T> layer = p.layer();
   const Index B = p.c.B, TT = p.c.T, D = p.c.D, out_dim = p.c.out_dim();
-  SequenceCache<T> cache(B, TT);
+  SequenceCache<T> cache(B, TT, precision);
   headmix::Workspace<T> ws;
-  Tensor<T> out({B, TT, out_dim}), x({B, 1, D}), y({B, 1, out_dim});
-  for (Index t = 0; t < TT; ++t) {
-    for (Index b = 0; b < B; ++b) std::copy_n(&p.x(b * TT + t, 0), D, x.data() + b * D);
+  Tensor<T> out({B, TT, out_dim});
+  for (Index t = 0, n = first; t < TT; t += n, n = 1) {
+    Tensor<T> x({B, n, D}), y({B, n, out_dim});
+    for (Index b = 0; b < B; ++b) std::copy_n(&p.x(b * TT + t, 0), n * D, x.data() + b * n * D);
     layer.step(x.batch(), cache, y.batch(), ws);
-    for (Index b = 0; b < B; ++b) std::copy_n(y.data() + b * out_dim, out_dim, out.data() + (b * TT + t) * out_dim);
+    for (Index b = 0; b < B; ++b)
+      std::copy_n(y.data() + b * n * out_dim, n * out_dim, out.data() + (b * TT + t) * out_dim);
   }
   return out;
+}
+
+double round_to_bfloat16(double x) { return double(static_cast<float>(Eigen::bfloat16(static_cast<float>(x)))); }
+
+// A bfloat16 cache stores K, V and the key-side factors rounded to nearest
+// even (DCMHA's factor streams are half precision as well): steps equal the
+// reference whose k, v and key-side factors are so rounded, to double's
+// tolerance, token by token and after a first step of 9 tokens on 2
+// threads. 40 keys take the compose's line kernel (lines of 8 doubles) and
+// its generic tail; R = 3 the generic kernel alone; the static term with 4
+// heads, the kernel that holds them in registers.
+TEST(DcmhaHalfCache, StepsEqualTheReferenceOverRoundedKeysValuesAndKeyFactors) {
+  std::vector<Config> cases(3);
+  cases[1].R = 3, cases[1].G = 2, cases[1].H = 6;
+  cases[2].static_w = true, cases[2].R = 1;
+  unsigned seed = 760;
+  for (Config& c : cases) {
+    c.T = 40;
+    const auto p = make_problem<double>(c, seed++);
+    SCOPED_TRACE(describe(c));
+    headmix_ref::RefDcmhaOptions rounded = p.ref_options();
+    rounded.store = round_to_bfloat16;
+    const auto want = headmix_ref::dcmha_reference(p.ref_weights(), rounded, c.B, c.T, widen(p.x), p.padding);
+    const auto unrounded = p.reference();
+    double visible = 0;
+    for (std::size_t i = 0; i < want.output.size(); ++i)
+      visible = std::max(visible, std::abs(want.output[i] - unrounded.output[i]));
+    EXPECT_GT(visible, 1e-6) << "the rounding must be visible for this test to mean anything";
+    EXPECT_TRUE(all_close("token by token", decode_tokens(p, CachePrecision::bfloat16), want.output,
+                          default_tolerance<double>().times(2)));
+    Problem<double> two = p;
+    two.c.threads = 2;
+    EXPECT_TRUE(all_close("first step of 9, 2 threads", decode_tokens(two, CachePrecision::bfloat16, 9),
+                          want.output, default_tolerance<double>().times(2)));
+    // Streams 2 and 3, the pre and post key-side factors, are bfloat16.
+    SequenceCache<double> half(c.B, c.T, CachePrecision::bfloat16), full(c.B, c.T);
+    headmix::Workspace<double> ws;
+    Tensor<double> y({c.B, c.T, c.out_dim()});
+    p.layer().step(p.input().query, half, y.batch(), ws);
+    p.layer().step(p.input().query, full, y.batch(), ws);
+    ASSERT_EQ(half.streams(), 4u);
+    for (std::size_t s : {2, 3}) {
+      EXPECT_TRUE(half.is_half(s)) << "stream " << s;
+      EXPECT_LT(half.stream_bytes(s), full.stream_bytes(s)) << "stream " << s;
+    }
+  }
 }
 
 // A non-default dw_norm_eps reaches the layer, forward and decoding. The
@@ -830,7 +879,8 @@ TYPED_TEST(DcmhaTest, SeparateKeysFlopsEqualReferenceCount) {
 // detail::compose_lines (rank projections in registers; for the group
 // sizes of detail::ComposeHeldHeads with a static term, every head's line
 // too) and detail::compose_generic (plain loops, any R) on one row segment,
-// both held to the Compose formula evaluated here in double.
+// both held to the Compose formula evaluated here in double, with the
+// key-wise factors in T and in bfloat16 (a bfloat16 cache's).
 
 namespace {
 
@@ -846,15 +896,24 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
   for (Index M : {3, 4, 8, 12, 16})
     for (Index R : {1, 2, 3})
       for (Index len : {7, 37, 300})
-        for (int flags = 0; flags < 16; ++flags) {
+        for (int flags = 0; flags < 32; ++flags) {
           const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, accumulate = (flags & 8) || static_loop;
+          const bool half = flags & 16;  // key-wise factors stored as bfloat16 bits (a bfloat16 cache's)
+          if (half && !kw) continue;
           const Index RM = R * M, plane = len + plane_pad, rs = len + 3;
           auto random = [&](Index n) {
             std::vector<T> v(static_cast<std::size_t>(n));
             for (T& e : v) e = static_cast<T>(nd(rng));
             return v;
           };
-          const std::vector<T> z = random(M * plane), qf = random((2 * R + 1) * M), kf = random((2 * R + 1) * M * rs);
+          const std::vector<T> z = random(M * plane), qf = random((2 * R + 1) * M);
+          std::vector<T> kf = random((2 * R + 1) * M * rs);
+          std::vector<Eigen::bfloat16> kf_half(kf.size());
+          if (half)
+            for (std::size_t i = 0; i < kf.size(); ++i) {
+              kf_half[i] = Eigen::bfloat16(static_cast<float>(kf[i]));
+              kf[i] = static_cast<T>(static_cast<float>(kf_half[i]));  // the values the kernels must read
+            }
           const std::vector<T> before = random(M * plane);
           headmix::Matrix<T> mix(M, M);
           for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
@@ -888,10 +947,17 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
           }
           for (bool generic_only : {false, true}) {
             std::vector<T> out = before;
-            const headmix::detail::ComposeSegment<T> s{z.data(), out.data(), plane, qw ? qf.data() : nullptr,
-                                                       kw ? kf.data() : nullptr, rs, &mix, M, R, static_loop,
-                                                       accumulate, identity, scratch.data()};
-            headmix::detail::compose_segment(s, len, generic_only);
+            const auto compose = [&](const auto* kf_stored) {
+              using Stored = std::remove_const_t<std::remove_pointer_t<decltype(kf_stored)>>;
+              const headmix::detail::ComposeSegment<T, Stored> s{z.data(), out.data(), plane, qw ? qf.data() : nullptr,
+                                                                 kw ? kf_stored : nullptr, rs, &mix, M, R,
+                                                                 static_loop, accumulate, identity, scratch.data()};
+              headmix::detail::compose_segment(s, len, generic_only);
+            };
+            if (half)
+              compose(headmix::bfloat16_bits(kf_half.data()));
+            else
+              compose(kf.data());
             const double tol = std::is_same_v<T, float> ? 2e-5 : 1e-13;
             for (Index n = 0; n < M; ++n)
               for (Index x = 0; x < plane; ++x) {
@@ -902,6 +968,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
                 }
                 ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
                     << (generic_only ? "reference" : "fast") << " kernel, M " << M << " R " << R << " len " << len
+                    << (half ? " bfloat16 factors" : "")
                     << " flags " << flags << " head " << n << " column " << x;
               }
           }

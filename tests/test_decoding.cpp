@@ -520,10 +520,15 @@ TYPED_TEST(Decoding, HalfCacheHoldsKeysAndValuesInBfloat16OrIsRefused) {
       layer.step(x.batch(), full, y.batch(), ws);
       layer.step(x.batch(), half, y.batch(), ws);
       // K (as K_hᵀ rows, each cache's padded to lines of what it stores) and
-      // V in bfloat16; any other stream as it was.
+      // V in bfloat16; any other stream as it was or, DCMHA's key-side
+      // factors, in bfloat16 as well (test_dcmha.cpp).
       const Index wk = full.stream(0).cols(), wv = full.stream(1).cols(), t = sizeof(T), h = sizeof(Eigen::bfloat16);
-      EXPECT_EQ(Index(full.bytes()) - Index(half.bytes()),
-                B * wk * (full.transposed_stride() * t - half.transposed_stride() * h) + B * 32 * wv * (t - h));
+      EXPECT_EQ(Index(full.stream_bytes(0)) - Index(half.stream_bytes(0)),
+                B * wk * (full.transposed_stride() * t - half.transposed_stride() * h));
+      EXPECT_EQ(Index(full.stream_bytes(1)) - Index(half.stream_bytes(1)), B * 32 * wv * (t - h));
+      ASSERT_EQ(half.streams(), full.streams());
+      for (std::size_t s = 2; s < full.streams(); ++s)
+        if (!half.is_half(s)) EXPECT_EQ(half.stream_bytes(s), full.stream_bytes(s)) << "stream " << s;
       const Decoded<T> exact = decode(layer, x, {1});
       const Decoded<T> rounded = decode(layer, x, {1}, 0, CachePrecision::bfloat16);
       V::set_threads(p, 2);

@@ -24,6 +24,7 @@ namespace dcmha_case {
 using namespace headmix_test;
 using headmix::Dcmha;
 using headmix::SequenceCache;
+using headmix::CachePrecision;
 using headmix::DcmhaOptions;
 using headmix::DcmhaWeights;
 using headmix::Index;

@@ -59,6 +59,9 @@ struct RefDcmhaOptions {
   double eps = 1e-6;
   bool gelu_tanh = false;  // false: exact erf GELU
   double scale = 0;        // 0: 1/sqrt(dk)
+  // Applied to every entry of k, v and the key-side factors once computed
+  // (a half-precision cache's rounding); null: kept as computed.
+  double (*store)(double) = nullptr;
 };
 
 struct RefDcmhaResult {
@@ -154,8 +157,12 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
     const std::vector<double> xkb(xk.begin() + static_cast<std::ptrdiff_t>(b) * S * D,
                                   xk.begin() + static_cast<std::ptrdiff_t>(b + 1) * S * D);
     const auto q = dcmha_detail::linear(xqb, T, D, w.wq, w.bq, H * dk, res.projection_macs);
-    const auto k = dcmha_detail::linear(xkb, S, D, w.wk, w.bk, H * dk, res.projection_macs);
-    const auto v = dcmha_detail::linear(xkb, S, D, w.wv, w.bv, H * dv, res.projection_macs);
+    auto k = dcmha_detail::linear(xkb, S, D, w.wk, w.bk, H * dk, res.projection_macs);
+    auto v = dcmha_detail::linear(xkb, S, D, w.wv, w.bv, H * dv, res.projection_macs);
+    if (opt.store) {
+      for (double& e : k) e = opt.store(e);
+      for (double& e : v) e = opt.store(e);
+    }
 
     // Dynamic weights: fac[(p * G + g) * 4 + c], p a query position for the
     // query slots (c even), a key position for the key slots.
@@ -208,6 +215,9 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
             }
             f.dd[m] = std::tanh(e);
           }
+          if (opt.store && c % 2 == 1)
+            for (std::vector<double>* part : {&f.w1, &f.w2, &f.dd})
+              for (double& e : *part) e = opt.store(e);
         }
 
     // One stage's composition of the head vector at (t, s), group g, in place.

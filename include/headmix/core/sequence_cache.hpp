@@ -19,12 +19,13 @@
 // detail::odd_line_stride.
 //
 // Half precision (CachePrecision::bfloat16): the K and V streams of the
-// dot-product layers (MHA, Talking-Heads, DCMHA) are stored as bfloat16,
-// rounded to nearest even, and widened back to T a block at a time when a
-// step reads them; every product still accumulates in T. That halves the
-// bytes a step streams from its cache. Each stored value carries a relative
-// error of at most u = 2^-8, and a step's output differs from the
-// full-precision cache's by at most (README, "Half-precision caches")
+// dot-product layers (MHA, Talking-Heads, DCMHA), and DCMHA's key-side
+// factors, are stored as bfloat16, rounded to nearest even, and widened
+// back to T as a step reads them; every product still accumulates in T.
+// That halves the bytes a step streams from its cache. Each stored value
+// carries a relative error of at most u = 2^-8, and a step's output
+// differs from the full-precision cache's by at most (README,
+// "Half-precision caches")
 //   ‖W_o‖_∞ · ((e^(2u·A) − 1)(1 + u) + u) · max|v|,
 // A = max over keys of Σ_i |q_i k_i| (scaled queries), for MHA.
 #pragma once
@@ -90,26 +91,33 @@ class SequenceCache {
   /// Memory held by the streams (0 until a layer binds them).
   std::size_t bytes() const {
     std::size_t n = 0;
-    for (const auto& s : streams_) n += static_cast<std::size_t>(s.size()) * sizeof(T);
-    for (const auto& s : half_streams_) n += static_cast<std::size_t>(s.size()) * sizeof(Half);
+    for (std::size_t s = 0; s < streams(); ++s) n += stream_bytes(s);
     return n;
+  }
+  /// The streams a layer bound, and the memory of stream s.
+  std::size_t streams() const { return streams_.size(); }
+  std::size_t stream_bytes(std::size_t s) const {
+    return is_half(s) ? static_cast<std::size_t>(half_streams_[s].size()) * sizeof(Half)
+                      : static_cast<std::size_t>(streams_[s].size()) * sizeof(T);
   }
 
   /// The layer declares its streams' widths and, optionally, how many heads
   /// each splits into (stored head-major; none given: 1 per stream); a cache
   /// set up for other widths or heads, or for another layer, is an error
   /// naming both. `kv_streams`: how many leading streams are K and V (0, or
-  /// 2: K then V), K stored transposed per head (transposed()) and, in a
-  /// bfloat16 cache, both in half precision (read through DotProductStages).
-  /// `reads_half`: whether the layer's steps can read its K and V in
-  /// bfloat16 (CollabHead's cannot). A bfloat16 cache is refused, naming
-  /// why, by a layer with no K/V streams or one that cannot read them so.
+  /// 2: K then V), K stored transposed per head (transposed()).
+  /// `half_streams`: how many leading streams a bfloat16 cache stores in
+  /// half precision, the layer's steps reading them so: K and V (through
+  /// DotProductStages) and any after them (DCMHA's key-side factors); 0 for
+  /// a layer that reads none so (CollabHead). A bfloat16 cache is refused,
+  /// naming why, by a layer with no K/V streams or none it reads in bfloat16.
   void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0,
-            bool reads_half = true) {
+            std::size_t half_streams = 2) {
     HEADMIX_ASSERT(kv_streams == 0 || kv_streams == 2);
+    HEADMIX_ASSERT(half_streams == 0 || (half_streams >= kv_streams && half_streams <= widths.rank()));
     HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());
     auto heads_of = [&](std::size_t s) { return heads.rank() == 0 ? Index(1) : heads[s]; };
-    if (precision_ == CachePrecision::bfloat16 && (kv_streams == 0 || !reads_half))
+    if (precision_ == CachePrecision::bfloat16 && (kv_streams == 0 || half_streams == 0))
       detail::throw_shape(variant, "cache precision",
                           kv_streams == 0 ? "CachePrecision::full (this layer's steps read no K/V streams)"
                                           : "CachePrecision::full (this layer's steps read no bfloat16 streams)",
@@ -117,7 +125,7 @@ class SequenceCache {
     if (streams_.empty() && half_streams_.empty() && size_ == 0) {
       widths_ = widths;
       kv_count_ = kv_streams;
-      half_count_ = precision_ == CachePrecision::bfloat16 ? kv_streams : 0;
+      half_count_ = precision_ == CachePrecision::bfloat16 ? half_streams : 0;
       streams_.resize(widths.rank());
       half_streams_.resize(half_count_);
       for (std::size_t s = 0; s < widths.rank(); ++s) {
@@ -204,6 +212,11 @@ class SequenceCache {
     return streams_[s].data();
   }
   const Half* half_stream(std::size_t s) const {
+    HEADMIX_ASSERT(is_half(s));
+    return half_streams_[s].data();
+  }
+  /// A bfloat16 stream's memory, laid out as stream(s), to write in place.
+  Half* half_stream(std::size_t s) {
     HEADMIX_ASSERT(is_half(s));
     return half_streams_[s].data();
   }

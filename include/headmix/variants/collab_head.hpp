@@ -259,7 +259,7 @@ class CollabHead : public LayerForms<CollabHead<T>, T> {
     // The shared keys transposed ([R, capacity] per batch item) and each
     // head's values contiguous ([capacity, dv]): a step's products stream
     // both, as a forward's packed operands, in float only.
-    cache.bind(kName, {R, H * dv, has_content_bias() ? H : 0}, {1, H, 1}, 2, /*reads_half=*/false);
+    cache.bind(kName, {R, H * dv, has_content_bias() ? H : 0}, {1, H, 1}, 2, /*half_streams=*/0);
     cache.check_room(kName, n);
     reserve_scratch(ws, std::min(block_rows(cap), n), cap);
     MatrixMap<T> k = ws.shared_matrix(slot::key, n, R), v = ws.shared_matrix(slot::value, n, H * dv);

@@ -221,7 +221,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     check_output(kName, out, B, n, out_dim());
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
     const Index cap = cache.capacity(), past = cache.size(), S = past + n;
-    cache.bind(kName, cache_widths(cap), {num_kv_heads(), num_kv_heads(), 1, 1}, 2);  // K and V head-major
+    const bool half = cache.precision() == CachePrecision::bfloat16;
+    // K and V head-major; in a bfloat16 cache, the key-side factors in bfloat16 too.
+    cache.bind(kName, cache_widths(cap, half), {num_kv_heads(), num_kv_heads(), 1, 1}, 2, 4);
     cache.check_room(kName, n);
     // Size the tiles for a full cache now, so that later steps of as many
     // positions find every buffer big enough.
@@ -238,12 +240,14 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     src.queries = n;
     src.kv_stride = cap;  // K and V: the cache's (stages(src).reading below)
     for (int st = 0; st < 2; ++st) {
+      const std::size_t stream = 2 + static_cast<std::size_t>(st);
       if (needs_query_factors(st)) src.qf[st] = ws.shared(shared_query_factors + st, B * n * factor_width());
-      if (needs_key_factors(st)) src.kf[st] = cache.stream(2 + static_cast<std::size_t>(st)).data();
+      if (needs_key_factors(st) && half) src.kf_half[st] = cache.half_stream(stream);
+      if (needs_key_factors(st) && !half) src.kf[st] = cache.stream(stream).data();
     }
     src.qf_stride = factor_width();
-    src.kf_row_stride = detail::odd_line_stride<T>(cap);
-    src.kf_batch_stride = cap * factor_stream_width(cap);
+    src.kf_row_stride = factor_row_stride(cap, half);
+    src.kf_batch_stride = cap * factor_stream_width(cap, half);
     factors_.compute(x.rows(), n, past, src, ws, local_u, local_f);
 
     // Bottom-right: the last new position sees all.
@@ -360,18 +364,21 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   Index factor_width() const { return groups() * group_factor_width(); }
 
   // Cache streams: 0 K [H·dk], 1 V [H·dv], 2 and 3 the pre and post
-  // key-side factors. A factor stream holds, per batch item, factor_width()
-  // rows along the positions (row j at j · padded capacity, so that the
-  // compose reads each coefficient row contiguously); its per-position
-  // width is whatever makes that block fit.
-  Index factor_stream_width(Index capacity) const {
-    if (capacity <= 0) return factor_width();
-    return (factor_width() * detail::odd_line_stride<T>(capacity) + capacity - 1) / capacity;
+  // key-side factors, in T or (`half`) bfloat16. A factor stream holds, per
+  // batch item, factor_width() rows along the positions (row j at j ·
+  // padded capacity, so that the compose reads each coefficient row
+  // contiguously); its per-position width is whatever makes that block fit.
+  static Index factor_row_stride(Index capacity, bool half) {
+    return half ? detail::odd_line_stride<Eigen::bfloat16>(capacity) : detail::odd_line_stride<T>(capacity);
   }
-  Shape cache_widths(Index capacity) const {
+  Index factor_stream_width(Index capacity, bool half) const {
+    if (capacity <= 0) return factor_width();
+    return (factor_width() * factor_row_stride(capacity, half) + capacity - 1) / capacity;
+  }
+  Shape cache_widths(Index capacity, bool half) const {
     return {num_kv_heads() * head_dim(), num_kv_heads() * v_head_dim(),
-            needs_key_factors(0) ? factor_stream_width(capacity) : 0,
-            needs_key_factors(1) ? factor_stream_width(capacity) : 0};
+            needs_key_factors(0) ? factor_stream_width(capacity, half) : 0,
+            needs_key_factors(1) ? factor_stream_width(capacity, half) : 0};
   }
 
   // With a Compose, all H planes of a block are resident; without one,
@@ -436,24 +443,31 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
           std::fill(o + hi, o + cols, T(0));
         }
       }
-      const T* kfg = kw ? src.kf[st] + b * src.kf_batch_stride + g * FW * rs + k0 : nullptr;
-
-      // A chunk of columns of every row in turn: the chunk's key-wise
-      // coefficient rows ((2R+1)·M of them) stay in L2 while every row uses them.
-      for (Index c0 = 0; c0 < cols; c0 += CH) {
-        const Index c1 = std::min(cols, c0 + CH);
-        for (Index r = 0; r < rows; ++r) {
-          auto [lo, hi] = visible(r);
-          lo = std::max(lo, c0);
-          hi = std::min(hi, c1);
-          if (lo >= hi) continue;
-          const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
-          const detail::ComposeSegment<T> segment{zg + r * cols + lo, og + r * cols + lo, plane, qf,
-                                                  kw ? kfg + lo : nullptr, rs, mix, M, R, static_loop, sw,
-                                                  identity, scratch};
-          detail::compose_segment(segment, hi - lo);
+      // The group's key-wise factors from the tile's first key, as stored
+      // (T, or a bfloat16 cache's bits): a chunk of columns of every row in
+      // turn, so that the chunk's (2R+1)·M coefficient rows stay in L2 while
+      // every row uses them.
+      const auto compose_chunks = [&](const auto* kfg) {
+        for (Index c0 = 0; c0 < cols; c0 += CH) {
+          const Index c1 = std::min(cols, c0 + CH);
+          for (Index r = 0; r < rows; ++r) {
+            auto [lo, hi] = visible(r);
+            lo = std::max(lo, c0);
+            hi = std::min(hi, c1);
+            if (lo >= hi) continue;
+            const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
+            const detail::ComposeSegment<T, std::remove_const_t<std::remove_pointer_t<decltype(kfg)>>> segment{
+                zg + r * cols + lo, og + r * cols + lo, plane, qf, kfg ? kfg + lo : nullptr, rs, mix, M, R,
+                static_loop, sw, identity, scratch};
+            detail::compose_segment(segment, hi - lo);
+          }
         }
-      }
+      };
+      const Index first = b * src.kf_batch_stride + g * FW * rs + k0;
+      if (kw && src.kf_half[st])
+        compose_chunks(bfloat16_bits(src.kf_half[st] + first));
+      else
+        compose_chunks(kw ? src.kf[st] + first : static_cast<const T*>(nullptr));
     }
   }
 

@@ -16,21 +16,24 @@
 // the reference the fast one is tested against.
 #pragma once
 
+#include "headmix/core/row_product.hpp"
 #include "headmix/core/types.hpp"
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 
 namespace headmix::detail {
 
-/// One row segment's operands.
-template <class T>
+/// One row segment's operands. The key-wise factors are stored as T or, from
+/// a bfloat16 cache, as bfloat16 bits (K = std::uint16_t), widened as read.
+template <class T, class K = T>
 struct ComposeSegment {
   const T* z;           ///< head m's values at z + m·plane
   T* o;                 ///< head n's output at o + n·plane
   Index plane;
   const T* qf;          ///< query-wise factors of the row and group: W1 [R, M], W2 [R, M], dd [M]; or null
-  const T* kf;          ///< key-wise factor row j at kf + j·rs; or null
+  const K* kf;          ///< key-wise factor row j at kf + j·rs; or null
   Index rs;
   const Matrix<T>* mix; ///< (I + P)ᵀ of the group, when static_loop
   Index M, R;
@@ -83,12 +86,23 @@ constexpr bool compose_holds_heads(Index M) { return holds_heads(M, ComposeHeldH
 /// L1 (L = compose_line<T>, which ran faster than a register's width with
 /// AVX2). R_ must equal s.R, QW and KW whether s has query-wise and key-wise
 /// factors. Returns the number of columns done.
-template <int M_, int R_, bool QW, bool KW, class T>
-Index compose_lines(const ComposeSegment<T>& s, Index len) {
+template <int M_, int R_, bool QW, bool KW, class T, class K>
+Index compose_lines(const ComposeSegment<T, K>& s, Index len) {
   constexpr Index L = M_ > 0 ? compose_register<T> : compose_line<T>;
   using Line = Eigen::Array<T, L, 1>;
   using CLine = Eigen::Map<const Line>;
   using WLine = Eigen::Map<Line>;
+  // A line of key-wise factors, widened when stored as bfloat16 (a loop of
+  // shifts, which compilers vectorise).
+  const auto coefficients = [](const K* p) -> Line {
+    if constexpr (std::is_same_v<K, T>) {
+      return CLine(p);
+    } else {
+      Line v;
+      for (Index j = 0; j < L; ++j) v[j] = widened<T>(p + j);
+      return v;
+    }
+  };
   // The segment's fields as locals: the kernel's stores go through T*, which
   // could alias `s`, so the compiler would reload every field on every line.
   const Index M = M_ > 0 ? M_ : s.M, RM = R_ * M, plane = s.plane, rs = s.rs;
@@ -108,7 +122,7 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
   for (; x + L <= len; x += L) {
     const T* z = s.z + x;
     T* o = s.o + x;
-    const T* kf = KW ? s.kf + x : nullptr;
+    const K* kf = KW ? s.kf + x : nullptr;
     Line qa[R_], kb[R_];
     for (int i = 0; i < R_; ++i) qa[i].setZero(), kb[i].setZero();
     for (Index m = 0; m < M; ++m) {
@@ -116,7 +130,7 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
       keep(m, zm);
       for (int i = 0; i < R_; ++i) {
         if constexpr (QW) qa[i] += qf[i * M + m] * zm;
-        if constexpr (KW) kb[i] += CLine(kf + (i * M + m) * rs) * zm;
+        if constexpr (KW) kb[i] += coefficients(kf + (i * M + m) * rs) * zm;
       }
     }
     for (Index n = 0; n < M; ++n) {
@@ -124,7 +138,7 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
       if constexpr (QW) diag += qf[2 * RM + n];
       Line on;
       if constexpr (KW)
-        on = (CLine(kf + (2 * RM + n) * rs) + diag) * head(n);
+        on = (coefficients(kf + (2 * RM + n) * rs) + diag) * head(n);
       else
         on = diag * head(n);
       if (mix) {
@@ -134,7 +148,7 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
       }
       for (int i = 0; i < R_; ++i) {
         if constexpr (QW) on += qf[RM + i * M + n] * qa[i];
-        if constexpr (KW) on += CLine(kf + (RM + i * M + n) * rs) * kb[i];
+        if constexpr (KW) on += coefficients(kf + (RM + i * M + n) * rs) * kb[i];
       }
       WLine(o + n * plane) = on;
     }
@@ -143,8 +157,8 @@ Index compose_lines(const ComposeSegment<T>& s, Index len) {
 }
 
 /// compose_lines for s's factors, at rank R_ and M_ heads.
-template <int M_, int R_, class T>
-Index compose_lines_with(const ComposeSegment<T>& s, Index len) {
+template <int M_, int R_, class T, class K>
+Index compose_lines_with(const ComposeSegment<T, K>& s, Index len) {
   if (s.qf && s.kf) return compose_lines<M_, R_, true, true>(s, len);
   if (s.qf) return compose_lines<M_, R_, true, false>(s, len);
   if (s.kf) return compose_lines<M_, R_, false, true>(s, len);
@@ -154,8 +168,8 @@ Index compose_lines_with(const ComposeSegment<T>& s, Index len) {
 /// compose_lines at rank R_, with s's heads in registers when the kernel
 /// applies the static term and can hold them. Without the static term,
 /// holding them measured no faster (forward and decoding, M = 12 and 16).
-template <int R_, class T, int... Ms>
-Index compose_lines_of_rank(const ComposeSegment<T>& s, Index len, std::integer_sequence<int, Ms...>) {
+template <int R_, class T, class K, int... Ms>
+Index compose_lines_of_rank(const ComposeSegment<T, K>& s, Index len, std::integer_sequence<int, Ms...>) {
   Index done = 0;
   const bool held = s.static_loop && ((s.M == Ms && (done = compose_lines_with<Ms, R_>(s, len), true)) || ...);
   return held ? done : compose_lines_with<0, R_>(s, len);
@@ -164,10 +178,17 @@ Index compose_lines_of_rank(const ComposeSegment<T>& s, Index len, std::integer_
 /// All `len` columns of the segment (any R), compose_chunk<T> at a time:
 /// gather the heads into scratch, form the rank projections a_i and b_i,
 /// then each output head.
-template <class T>
-void compose_generic(const ComposeSegment<T>& s, Index len) {
+template <class T, class K>
+void compose_generic(const ComposeSegment<T, K>& s, Index len) {
   using Arr = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
   using CArr = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+  // n key-wise factors from p, widened when stored as bfloat16.
+  const auto coefficients = [](const K* p, Index n) {
+    if constexpr (std::is_same_v<K, T>)
+      return CArr(p, n);
+    else
+      return Eigen::Map<const Eigen::Array<K, Eigen::Dynamic, 1>>(p, n).unaryExpr([](K b) { return widened<T>(&b); });
+  };
   constexpr Index CH = compose_chunk<T>;
   const Index M = s.M, R = s.R, RM = R * M;
   const bool qw = s.qf != nullptr, kw = s.kf != nullptr, sw = s.static_loop || s.accumulate;
@@ -177,7 +198,7 @@ void compose_generic(const ComposeSegment<T>& s, Index len) {
     const Index n_cols = std::min(CH, len - x0);
     const T* z = s.z + x0;
     T* o = s.o + x0;
-    const T* kf = kw ? s.kf + x0 : nullptr;
+    const K* kf = kw ? s.kf + x0 : nullptr;
     for (Index m = 0; m < M; ++m) {
       Arr zm(zbuf + m * CH, n_cols);
       zm = CArr(z + m * s.plane, n_cols);
@@ -188,7 +209,7 @@ void compose_generic(const ComposeSegment<T>& s, Index len) {
         }
         if (kw) {
           Arr b(acc + (R + i) * CH, n_cols);
-          const CArr c(kf + (i * M + m) * s.rs, n_cols);
+          const auto c = coefficients(kf + (i * M + m) * s.rs, n_cols);
           if (m == 0) b = c * zm; else b += c * zm;
         }
       }
@@ -202,14 +223,14 @@ void compose_generic(const ComposeSegment<T>& s, Index len) {
       }
       const T diag = s.identity + (qw ? s.qf[2 * RM + n] : T(0));
       if (kw) {
-        const CArr ddk(kf + (2 * RM + n) * s.rs, n_cols);
+        const auto ddk = coefficients(kf + (2 * RM + n) * s.rs, n_cols);
         if (sw) on += (ddk + diag) * zn; else on = (ddk + diag) * zn;
       } else {
         if (sw) on += diag * zn; else on = diag * zn;
       }
       for (Index i = 0; i < R; ++i) {
         if (qw) on += s.qf[RM + i * M + n] * CArr(acc + i * CH, n_cols);
-        if (kw) on += CArr(kf + (RM + i * M + n) * s.rs, n_cols) * CArr(acc + (R + i) * CH, n_cols);
+        if (kw) on += coefficients(kf + (RM + i * M + n) * s.rs, n_cols) * CArr(acc + (R + i) * CH, n_cols);
       }
     }
   }
@@ -217,8 +238,8 @@ void compose_generic(const ComposeSegment<T>& s, Index len) {
 
 /// The whole segment: compose_lines where it applies, compose_generic on
 /// the rest (`generic_only`: all of it, the reference path).
-template <class T>
-void compose_segment(const ComposeSegment<T>& s, Index len, bool generic_only = false) {
+template <class T, class K>
+void compose_segment(const ComposeSegment<T, K>& s, Index len, bool generic_only = false) {
   Index done = 0;
   if (!generic_only)
     done = s.R == 2   ? compose_lines_of_rank<2>(s, len, ComposeHeldHeads{})

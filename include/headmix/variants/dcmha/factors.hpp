@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace headmix::detail {
@@ -26,11 +27,13 @@ namespace headmix::detail {
 /// side as rows, [rows, G·(2R+1)·M] qf_stride apart; the key side as
 /// columns, factor row j of position s of batch item b at
 /// b·kf_batch_stride + j·kf_row_stride + s, so that a Compose reads each
-/// coefficient row contiguously along the keys.
+/// coefficient row contiguously along the keys: in kf, or in kf_half
+/// (a bfloat16 cache's streams), rounded to nearest even.
 template <class T>
 struct DcmhaFactorTargets {
   T* qf[2] = {nullptr, nullptr};
   T* kf[2] = {nullptr, nullptr};
+  Eigen::bfloat16* kf_half[2] = {nullptr, nullptr};
   Index qf_stride = 0, kf_batch_stride = 0, kf_row_stride = 0;
 };
 
@@ -150,10 +153,20 @@ class DcmhaFactors {
             std::copy_n(fr, 2 * R * M, dst);
             std::copy_n(dd, M, dst + 2 * R * M);
           } else {
-            const Index rs = to.kf_row_stride;
-            T* dst = to.kf[st] + (p / len) * to.kf_batch_stride + g * FW * rs + first_pos + p % len;
-            for (Index j = 0; j < 2 * R * M; ++j) dst[j * rs] = fr[j];
-            for (Index m = 0; m < M; ++m) dst[(2 * R * M + m) * rs] = dd[m];
+            const Index rs = to.kf_row_stride, at = (p / len) * to.kf_batch_stride + g * FW * rs + first_pos + p % len;
+            const auto store = [&](auto* dst) {
+              using Stored = std::remove_pointer_t<decltype(dst)>;
+              // As T, or as bfloat16 (double through float, as the cache's K and V).
+              const auto put = [](Stored& to, T v) {
+                if constexpr (std::is_same_v<Stored, T>) to = v; else to = Stored(static_cast<float>(v));
+              };
+              for (Index j = 0; j < 2 * R * M; ++j) put(dst[j * rs], fr[j]);
+              for (Index m = 0; m < M; ++m) put(dst[(2 * R * M + m) * rs], dd[m]);
+            };
+            if (to.kf_half[st])
+              store(to.kf_half[st] + at);
+            else
+              store(to.kf[st] + at);
           }
         }
       }
