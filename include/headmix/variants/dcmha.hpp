@@ -222,8 +222,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     const Index H = num_heads(), dk = head_dim(), dv = v_head_dim();
     const Index cap = cache.capacity(), past = cache.size(), S = past + n;
     const bool half = cache.precision() == CachePrecision::bfloat16;
-    // K and V head-major; in a bfloat16 cache, the key-side factors in bfloat16 too.
-    cache.bind(kName, cache_widths(cap, half), {num_kv_heads(), num_kv_heads(), 1, 1}, 2, 4);
+    // K and V head-major; in a bfloat16 cache, every stream (the key-side factors too) in bfloat16.
+    const Shape widths = cache_widths(cap, half);
+    cache.bind(kName, widths, {num_kv_heads(), num_kv_heads(), 1, 1}, 2, widths.rank());
     cache.check_room(kName, n);
     // Size the tiles for a full cache now, so that later steps of as many
     // positions find every buffer big enough.
@@ -448,6 +449,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       // turn, so that the chunk's (2R+1)·M coefficient rows stay in L2 while
       // every row uses them.
       const auto compose_chunks = [&](const auto* kfg) {
+        using Stored = std::remove_const_t<std::remove_pointer_t<decltype(kfg)>>;
         for (Index c0 = 0; c0 < cols; c0 += CH) {
           const Index c1 = std::min(cols, c0 + CH);
           for (Index r = 0; r < rows; ++r) {
@@ -456,9 +458,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
             hi = std::min(hi, c1);
             if (lo >= hi) continue;
             const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
-            const detail::ComposeSegment<T, std::remove_const_t<std::remove_pointer_t<decltype(kfg)>>> segment{
-                zg + r * cols + lo, og + r * cols + lo, plane, qf, kfg ? kfg + lo : nullptr, rs, mix, M, R,
-                static_loop, sw, identity, scratch};
+            const detail::ComposeSegment<T, Stored> segment{zg + r * cols + lo, og + r * cols + lo, plane, qf,
+                                                            kfg ? kfg + lo : nullptr, rs, mix, M, R, static_loop, sw,
+                                                            identity, scratch};
             detail::compose_segment(segment, hi - lo);
           }
         }

@@ -157,8 +157,8 @@ class DcmhaFactors {
             const auto store = [&](auto* dst) {
               using Stored = std::remove_pointer_t<decltype(dst)>;
               // As T, or as bfloat16 (double through float, as the cache's K and V).
-              const auto put = [](Stored& to, T v) {
-                if constexpr (std::is_same_v<Stored, T>) to = v; else to = Stored(static_cast<float>(v));
+              const auto put = [](Stored& slot, T v) {
+                if constexpr (std::is_same_v<Stored, T>) slot = v; else slot = Stored(static_cast<float>(v));
               };
               for (Index j = 0; j < 2 * R * M; ++j) put(dst[j * rs], fr[j]);
               for (Index m = 0; m < M; ++m) put(dst[(2 * R * M + m) * rs], dd[m]);
