@@ -918,7 +918,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
           headmix::Matrix<T> mix(M, M);
           for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
           const T identity = accumulate ? T(0) : T(1);
-          std::vector<T> scratch(static_cast<std::size_t>((M + 2 * R) * headmix::detail::compose_chunk<T>));
+          std::vector<T> scratch(static_cast<std::size_t>(headmix::detail::compose_scratch<T>(M, R)));
 
           // The formula, in double.
           std::vector<double> expect(static_cast<std::size_t>(M * plane));

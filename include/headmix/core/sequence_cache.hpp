@@ -157,11 +157,15 @@ class SequenceCache {
   /// Whether stream s holds each head transposed, [width / heads, capacity]
   /// (the K stream of the dot-product layers).
   bool transposed(std::size_t s) const { return s == 0 && kv_count_ > 0; }
-  /// Elements between the rows of a transposed stream's heads: the
-  /// capacity padded to an odd number of cache lines of what it stores.
-  Index transposed_stride() const {
-    return is_half(0) ? detail::odd_line_stride<Half>(capacity_) : detail::odd_line_stride<T>(capacity_);
+  /// Elements between rows laid along the positions (a transposed stream's
+  /// rows; DCMHA's key-side factor rows) in a cache of `capacity` positions
+  /// storing T or (`half`) bfloat16: the capacity padded to an odd number of
+  /// cache lines of the stored type.
+  static Index position_stride(Index capacity, bool half) {
+    return half ? detail::odd_line_stride<Half>(capacity) : detail::odd_line_stride<T>(capacity);
   }
+  /// Elements between the rows of a transposed stream's heads.
+  Index transposed_stride() const { return position_stride(capacity_, is_half(0)); }
   /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
   /// a full-precision stream bound with one head.
   MatrixMap<T> stream(std::size_t s, Index b) {

@@ -247,7 +247,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       if (needs_key_factors(st) && !half) src.kf[st] = cache.stream(stream).data();
     }
     src.qf_stride = factor_width();
-    src.kf_row_stride = factor_row_stride(cap, half);
+    src.kf_row_stride = SequenceCache<T>::position_stride(cap, half);
     src.kf_batch_stride = cap * factor_stream_width(cap, half);
     factors_.compute(x.rows(), n, past, src, ws, local_u, local_f);
 
@@ -367,14 +367,12 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // Cache streams: 0 K [H·dk], 1 V [H·dv], 2 and 3 the pre and post
   // key-side factors, in T or (`half`) bfloat16. A factor stream holds, per
   // batch item, factor_width() rows along the positions (row j at j ·
-  // padded capacity, so that the compose reads each coefficient row
-  // contiguously); its per-position width is whatever makes that block fit.
-  static Index factor_row_stride(Index capacity, bool half) {
-    return half ? detail::odd_line_stride<Eigen::bfloat16>(capacity) : detail::odd_line_stride<T>(capacity);
-  }
+  // SequenceCache::position_stride, so that the compose reads each
+  // coefficient row contiguously); its per-position width is whatever
+  // makes that block fit.
   Index factor_stream_width(Index capacity, bool half) const {
     if (capacity <= 0) return factor_width();
-    return (factor_width() * factor_row_stride(capacity, half) + capacity - 1) / capacity;
+    return (factor_width() * SequenceCache<T>::position_stride(capacity, half) + capacity - 1) / capacity;
   }
   Shape cache_widths(Index capacity, bool half) const {
     return {num_kv_heads() * head_dim(), num_kv_heads() * v_head_dim(),
@@ -396,7 +394,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   // Every worker's compose scratch, before the pipeline's tasks: any worker
   // may take a tile, so a call allocates nothing once one has sized it.
   void reserve_compose(Workspace<T>& ws) const {
-    ws.reserve_local(std::max(1, opt_.threads), local_compose, (group_heads() + 2 * rank()) * detail::compose_chunk<T>);
+    ws.reserve_local(std::max(1, opt_.threads), local_compose, detail::compose_scratch<T>(group_heads(), rank()));
   }
 
   // One compose stage on a tile: out = in · C(t, s) per group, on the
@@ -414,7 +412,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     // (same cache sets), so the kernels read them once, in order, into
     // registers or this contiguous scratch and use them from there.
     constexpr Index CH = detail::compose_chunk<T>;
-    T* scratch = ws.local(w, local_compose, (M + 2 * R) * CH);  // sized by reserve_compose
+    T* scratch = ws.local(w, local_compose, detail::compose_scratch<T>(M, R));  // sized by reserve_compose
     // The static term I + P: in the kernels, when they hold the group's heads
     // in registers (the tile is then read once and written once) or on
     // single-row tiles (decoding), where a GEMM would pack (and for long

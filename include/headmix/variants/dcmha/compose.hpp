@@ -40,7 +40,7 @@ struct ComposeSegment {
   bool static_loop;     ///< apply I + P here (else it is absent, or already in `o`: accumulate)
   bool accumulate;      ///< `o` already holds the static GEMM's (I + P) term
   T identity;           ///< 1, or 0 when I is part of the static term
-  T* scratch;           ///< (M + 2R) · compose_chunk<T> values
+  T* scratch;           ///< compose_scratch<T>(M, R) values
 
   /// The same segment from column `x` on.
   ComposeSegment from(Index x) const {
@@ -55,6 +55,12 @@ struct ComposeSegment {
 /// gathered heads stay in L1 and a chunk's key-wise rows in L2.
 template <class T>
 inline constexpr Index compose_chunk = 1024 / static_cast<Index>(sizeof(T));
+/// Scratch values a segment needs: the gathered heads, the 2R rank
+/// projections and one widened coefficient row, compose_chunk<T> each.
+template <class T>
+constexpr Index compose_scratch(Index M, Index R) {
+  return (M + 2 * R + 1) * compose_chunk<T>;
+}
 /// Columns per step of compose_lines through scratch: one cache line of T.
 template <class T>
 inline constexpr Index compose_line = 64 / static_cast<Index>(sizeof(T));
@@ -182,18 +188,23 @@ template <class T, class K>
 void compose_generic(const ComposeSegment<T, K>& s, Index len) {
   using Arr = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
   using CArr = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
-  // n key-wise factors from p, widened when stored as bfloat16.
-  const auto coefficients = [](const K* p, Index n) {
-    if constexpr (std::is_same_v<K, T>)
-      return CArr(p, n);
-    else
-      return Eigen::Map<const Eigen::Array<K, Eigen::Dynamic, 1>>(p, n).unaryExpr([](K b) { return widened<T>(&b); });
-  };
   constexpr Index CH = compose_chunk<T>;
   const Index M = s.M, R = s.R, RM = R * M;
   const bool qw = s.qf != nullptr, kw = s.kf != nullptr, sw = s.static_loop || s.accumulate;
   T* zbuf = s.scratch;
   T* acc = zbuf + M * CH;  // a_i at acc + i·CH (query-wise), b_i at acc + (R + i)·CH (key-wise)
+  T* wide = acc + 2 * R * CH;
+  // n key-wise factors from p; stored as bfloat16, widened into `wide` (a
+  // loop of shifts, which compilers vectorise), which each use below reads
+  // before the next widening.
+  const auto coefficients = [wide](const K* p, Index n) {
+    if constexpr (!std::is_same_v<K, T>) {
+      for (Index j = 0; j < n; ++j) wide[j] = widened<T>(p + j);
+      return CArr(wide, n);
+    } else {
+      return CArr(p, n);
+    }
+  };
   for (Index x0 = 0; x0 < len; x0 += CH) {
     const Index n_cols = std::min(CH, len - x0);
     const T* z = s.z + x0;
