@@ -527,8 +527,10 @@ TYPED_TEST(Decoding, HalfCacheHoldsKeysAndValuesInBfloat16OrIsRefused) {
                 B * wk * (full.transposed_stride() * t - half.transposed_stride() * h));
       EXPECT_EQ(Index(full.stream_bytes(1)) - Index(half.stream_bytes(1)), B * 32 * wv * (t - h));
       ASSERT_EQ(half.streams(), full.streams());
-      for (std::size_t s = 2; s < full.streams(); ++s)
-        if (!half.is_half(s)) EXPECT_EQ(half.stream_bytes(s), full.stream_bytes(s)) << "stream " << s;
+      for (std::size_t s = 2; s < full.streams(); ++s) {
+        if (half.is_half(s)) continue;
+        EXPECT_EQ(half.stream_bytes(s), full.stream_bytes(s)) << "stream " << s;
+      }
       const Decoded<T> exact = decode(layer, x, {1});
       const Decoded<T> rounded = decode(layer, x, {1}, 0, CachePrecision::bfloat16);
       V::set_threads(p, 2);

@@ -197,7 +197,7 @@ void compose_generic(const ComposeSegment<T, K>& s, Index len) {
   // n key-wise factors from p; stored as bfloat16, widened into `wide` (a
   // loop of shifts, which compilers vectorise), which each use below reads
   // before the next widening.
-  const auto coefficients = [wide](const K* p, Index n) {
+  const auto coefficients = [&](const K* p, Index n) {
     if constexpr (!std::is_same_v<K, T>) {
       for (Index j = 0; j < n; ++j) wide[j] = widened<T>(p + j);
       return CArr(wide, n);
