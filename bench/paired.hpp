@@ -41,6 +41,15 @@
 // A side that leaves threads spinning declares a settle time; the
 // comparison then pauses that long before each repetition of either side,
 // so that no repetition shares the cores with the other side's idle spin.
+//
+// Warming runs both sides, as they will alternate, until a round of both
+// takes no page fault (at most PairSettings::max_warm_rounds, within the
+// budget): a call that touches fresh memory pays the kernel for every page
+// (a torch call that grew its heap took 2.5-3.6x as long), and some sides
+// reach their steady state only after several calls. A repetition that
+// still takes faults is counted, like a preempted one, so that a row whose
+// side never settles shows why (the suite grows the heap ahead of torch's
+// rows for that reason: suite_main.cpp).
 #pragma once
 
 #include <sys/resource.h>
@@ -67,6 +76,7 @@ struct PairSettings {
   double budget_seconds = 1.5;  // keep adding pairs (up to max_pairs) until then
   double min_rep_seconds = 0.03;  // a repetition is at least this long
   double flag_spread = 0.10;      // quartiles beyond ±10% of the median
+  int max_warm_rounds = 8;        // warm until a round of both sides takes no page fault, at most this many
   int cpu = -1;                   // CPU-clock comparisons run pinned to this CPU; -1: not pinned
 };
 
@@ -166,6 +176,10 @@ struct SideTimes {
   // core. Not discarded (the median takes care of a few); reported so that
   // a noisy comparison shows why.
   int preempted_reps = 0;
+  // Repetitions during which the process took page faults (getrusage's
+  // minor and major faults): memory touched for the first time, not the
+  // steady state. Counted and reported, not discarded.
+  int faulted_reps = 0;
   const std::vector<double>& times(Clock c) const { return c == Clock::cpu ? cpu_seconds : seconds; }
   Summary summary(Clock c) const { return summarize(times(c)); }
 };
@@ -194,6 +208,12 @@ inline long involuntary_switches() {
   return u.ru_nivcsw;
 }
 
+inline long page_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt + u.ru_majflt;
+}
+
 inline double cpu_now() {
   timespec t{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -204,7 +224,7 @@ inline double cpu_now() {
 // time and preemption, in `out` when given.
 inline double time_rep(const Side& s, int calls, SideTimes* out = nullptr, double settle = 0) {
   if (settle > 0) std::this_thread::sleep_for(std::chrono::duration<double>(settle));
-  const long switches = involuntary_switches();
+  const long switches = involuntary_switches(), faults = page_faults();
   const double cpu0 = cpu_now();
   const auto t0 = Steady::now();
   for (int i = 0; i < calls; ++i) s.call();
@@ -213,17 +233,32 @@ inline double time_rep(const Side& s, int calls, SideTimes* out = nullptr, doubl
     out->seconds.push_back(t);
     out->cpu_seconds.push_back((cpu_now() - cpu0) / calls);
     if (involuntary_switches() != switches) ++out->preempted_reps;
+    if (page_faults() != faults) ++out->faulted_reps;
   }
   return t;
 }
 
-// Warm a side (the first call sizes workspaces and caches) and choose its
-// calls per repetition from a second, timed call.
-inline int warm(const Side& s, const PairSettings& set) {
+// First call of a side (it sizes workspaces and caches), then one timed
+// call that sets its calls per repetition.
+inline int first_calls(const Side& s, const PairSettings& set) {
   if (!s.call) throw std::invalid_argument("paired comparison: side '" + s.label + "' has no call");
   s.call();
   const double once = time_rep(s, 1);
   return std::max(1, int(std::ceil(set.min_rep_seconds / std::max(once, 1e-9))));
+}
+
+// Run rounds of repetitions, each side's in turn as the comparison will
+// alternate them, until a round takes no page fault (at most
+// max_warm_rounds, or the budget). One side warmed alone may stop faulting
+// and fault again once the other side's allocations interleave with its own.
+inline void settle_heap(const std::vector<std::pair<const Side*, int>>& sides, const PairSettings& set) {
+  const auto start = Steady::now();
+  for (int round = 1;; ++round) {
+    const long faults = page_faults();
+    for (const auto& [side, calls] : sides)
+      for (int i = 0; i < calls; ++i) side->call();
+    if (page_faults() == faults || round >= set.max_warm_rounds || seconds_since(start) >= set.budget_seconds) break;
+  }
 }
 }  // namespace detail
 
@@ -237,8 +272,9 @@ inline PairedResult compare(const Side& a, const Side& b, const PairSettings& se
   r.scale = scale;
   r.a.label = a.label;
   r.b.label = b.label;
-  r.a.calls_per_rep = detail::warm(a, set);
-  r.b.calls_per_rep = detail::warm(b, set);
+  r.a.calls_per_rep = detail::first_calls(a, set);
+  r.b.calls_per_rep = detail::first_calls(b, set);
+  detail::settle_heap({{&a, r.a.calls_per_rep}, {&b, r.b.calls_per_rep}}, set);
   const double settle = std::max(a.settle_seconds, b.settle_seconds);
   const auto start = detail::Steady::now();  // the budget counts timed pairs, pauses excluded
   double paused = 0;
@@ -270,7 +306,8 @@ inline SideTimes series(const Side& s, const PairSettings& set, Clock clock) {
   const PinnedThread pin(clock == Clock::cpu ? set.cpu : -1);
   SideTimes t;
   t.label = s.label;
-  t.calls_per_rep = detail::warm(s, set);
+  t.calls_per_rep = detail::first_calls(s, set);
+  detail::settle_heap({{&s, t.calls_per_rep}}, set);
   const auto start = detail::Steady::now();
   for (int rep = 1;; ++rep) {
     detail::time_rep(s, t.calls_per_rep, &t);

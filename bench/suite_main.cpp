@@ -157,6 +157,32 @@ inline void headmix_blas_threads() {
 // THREAD_TIMEOUT, ~0.1 s at 2-3 GHz) before they sleep.
 constexpr double kSpinSettleSeconds = 0.25;
 
+#ifdef HEADMIX_BENCH_TORCH
+// Call after one call of a side that allocates afresh on every call: when
+// that call took glibc's heap past the part grown ahead, grow the heap to
+// twice its size (at most half the machine's memory), touching every new
+// page, and free the block again. With trimming off (tune_malloc) the pages
+// stay in the process, so later growth up to there takes no page fault.
+// The block asks for more than all free memory in the heap, so that it
+// comes from the top, not from a hole that earlier rows left.
+// libtorch's heap, fragmented by its per-call temporaries, kept reaching
+// new high-water marks several calls into a row here, and a repetition that
+// touched fresh pages took 2.5-3.6x its time (a fault costs ~10 us in this VM).
+void grow_heap_ahead() {
+  static std::size_t grown = 0;  // the heap's size after the last growth
+  const struct mallinfo2 heap = mallinfo2();
+  if (heap.arena <= grown) return;
+  const std::size_t memory = std::size_t(sysconf(_SC_PHYS_PAGES)) * std::size_t(sysconf(_SC_PAGESIZE));
+  const std::size_t bytes = std::min(heap.arena, memory / 2 - std::min(memory / 2, heap.arena)) + heap.fordblks;
+  auto* block = static_cast<volatile char*>(std::malloc(bytes));
+  if (block) {
+    for (std::size_t i = 0; i < bytes; i += 4096) block[i] = 0;
+    std::free(const_cast<char*>(block));
+  }
+  grown = mallinfo2().arena;
+}
+#endif
+
 // One forward over a random [T, D] sequence, on state the side owns.
 template <class Layer>
 Side forward_side(const std::string& label, Layer layer, Index T, Index D) {
@@ -353,7 +379,8 @@ json side_json(const bench::SideTimes& t, bench::Clock clock) {
           {"median_seconds", s.median},
           {"q1_seconds", s.q1},
           {"q3_seconds", s.q3},
-          {"preempted_reps", t.preempted_reps}};
+          {"preempted_reps", t.preempted_reps},
+          {"faulted_reps", t.faulted_reps}};
 }
 
 json record_json(const Record& rec) {
@@ -462,10 +489,12 @@ class Suite {
     const bench::Clock clock = single_threaded ? bench::Clock::cpu : bench::Clock::wall;
     records_.push_back({table, std::move(params), bench::compare(a, b, plan_.settings, clock, scale)});
     const Record& r = records_.back();
-    std::printf("  %-10s %-34s %-44s %3zu pairs %5.1f s  %d preempted\n", table.c_str(),
+    const int faulted = r.r.a.faulted_reps + r.r.b.faulted_reps;
+    std::printf("  %-10s %-34s %-44s %3zu pairs %5.1f s  %d preempted%s\n", table.c_str(),
                 (r.r.a.label + " / " + r.r.b.label).substr(0, 34).c_str(),
                 (shape_text(r.params) + "  " + ratio_text(r.r)).c_str(), r.r.ratios.size(), r.r.wall_seconds,
-                r.r.a.preempted_reps + r.r.b.preempted_reps);
+                r.r.a.preempted_reps + r.r.b.preempted_reps,
+                faulted ? ("  " + std::to_string(faulted) + " faulted").c_str() : "");
     std::fflush(stdout);
     return records_.back();
   }
@@ -543,6 +572,8 @@ class Suite {
         // At 2 threads torch's OpenBLAS worker spins for ~0.1 s after each
         // call, on the core headmix's second worker wants (paired.hpp).
         if (threads > 1) t.settle_seconds = kSpinSettleSeconds;
+        t.call();  // torch's first call sizes its heap; grow it ahead of the comparison
+        grow_heap_ahead();
         Side mha = variant_side(kMha, {D, H, causal, threads}, T).first;
         mha.label = "headmix MHA";
         json p = layer_params({D, H, causal, threads}, T);
@@ -803,9 +834,10 @@ std::string env_or(const char* name, const char* otherwise) {
 // faults in new pages on every call: up to 4x torch's time here. Keep
 // freed memory in the process instead, for every row alike.
 std::string tune_malloc() {
-  const bool ok = mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 &&
+  const bool ok = mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1 &&
                   mallopt(M_TOP_PAD, 64 << 20) == 1;
-  return ok ? "glibc malloc, mallopt(M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 1 GiB, M_TOP_PAD = 64 MiB) for every row"
+  return ok ? "glibc malloc, mallopt(M_MMAP_MAX = 0, M_TRIM_THRESHOLD = -1 (never trim), M_TOP_PAD = 64 MiB) for "
+              "every row; the heap grown ahead, touched, to twice what torch's calls took it to"
             : "glibc malloc defaults (mallopt failed)";
 }
 
