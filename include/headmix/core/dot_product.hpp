@@ -205,26 +205,26 @@ struct DotProductStages {
     Index d = 0;
     for (; d + 8 <= dk; d += 8) {
       T a[8];
-      const Stored* k[8];
-      for (int i = 0; i < 8; ++i) a[i] = lhs(0, d + i), k[i] = from + (d + i) * kt_stride;
+      const Stored* row[8];
+      for (int i = 0; i < 8; ++i) a[i] = lhs(0, d + i), row[i] = from + (d + i) * kt_stride;
       auto add = [&](Index c0, Index c1) {
         for (Index c = c0; c < c1; ++c) {  // written out: GCC vectorised a loop over i worse
           T sum = o[c];
-          sum += a[0] * widened<T>(k[0] + c);
-          sum += a[1] * widened<T>(k[1] + c);
-          sum += a[2] * widened<T>(k[2] + c);
-          sum += a[3] * widened<T>(k[3] + c);
-          sum += a[4] * widened<T>(k[4] + c);
-          sum += a[5] * widened<T>(k[5] + c);
-          sum += a[6] * widened<T>(k[6] + c);
-          sum += a[7] * widened<T>(k[7] + c);
+          sum += a[0] * widened<T>(row[0] + c);
+          sum += a[1] * widened<T>(row[1] + c);
+          sum += a[2] * widened<T>(row[2] + c);
+          sum += a[3] * widened<T>(row[3] + c);
+          sum += a[4] * widened<T>(row[4] + c);
+          sum += a[5] * widened<T>(row[5] + c);
+          sum += a[6] * widened<T>(row[6] + c);
+          sum += a[7] * widened<T>(row[7] + c);
           o[c] = sum;
         }
       };
       if constexpr (kPrefetch) {
         for (Index c0 = 0; c0 < cols; c0 += kSpan) {
           for (int i = 0; i < 8; ++i)
-            for (std::uintptr_t line = 0; line < 4; ++line) detail::prefetch(k[i] + c0, kAhead + 64 * line);
+            for (std::uintptr_t line = 0; line < 4; ++line) detail::prefetch(row[i] + c0, kAhead + 64 * line);
           add(c0, std::min(cols, c0 + kSpan));
         }
       } else {
