@@ -70,9 +70,9 @@ class OnlineSoftmax {
         out.row(r) *= shrink;
       }
       max_(r) = new_max;
-      seg = (seg - new_max).exp();
-      // Vectorised exp clamps its argument, so exp(-inf) is ~1e-38, not 0:
-      // padded keys are zeroed explicitly.
+      seg = softmax_exp(seg - new_max);
+      // Eigen's exp (double) clamps its argument, so exp(-inf) is ~1e-308,
+      // not 0: padded keys are zeroed explicitly.
       if (key_bias) seg = (bias == T(0)).select(seg, T(0));
       sum_(r) += seg.sum();
     }
@@ -111,7 +111,7 @@ class OnlineSoftmax {
       }
       const RowArray bias(key_bias ? key_bias + lo : nullptr, hi - lo);
       if (key_bias) seg += bias;
-      seg = (seg - max_(r)).exp() * (T(1) / sum_(r));
+      seg = softmax_exp(seg - max_(r)) * (T(1) / sum_(r));
       if (key_bias) seg = (bias == T(0)).select(seg, T(0));
     }
   }

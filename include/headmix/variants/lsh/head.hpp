@@ -28,6 +28,7 @@
 #include "headmix/core/attention_tensor.hpp"
 #include "headmix/core/error.hpp"
 #include "headmix/core/gemm.hpp"
+#include "headmix/core/softmax.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
 
@@ -320,8 +321,8 @@ void attend_head(const HeadJob<T>& job, const LshLayout& L, const Rules& rules, 
         row_max[q] = neg, row_sum[q] = 0;
         continue;
       }
-      out.row(q) = (in.row(q).array() - m).exp().matrix();
-      if (has_masked) {  // vectorised exp clamps its argument: exp(-inf) comes out ~1e-38, not 0
+      out.row(q) = softmax_exp(in.row(q).array() - m).matrix();
+      if (has_masked) {  // Eigen's exp (double) clamps its argument: exp(-inf) comes out ~1e-308, not 0
         const T* l = &in(q, 0);
         T* e = &out(q, 0);
         for (Index t = 0; t < 2 * bs; ++t) e[t] = l[t] == neg ? T(0) : e[t];
