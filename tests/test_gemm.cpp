@@ -136,6 +136,32 @@ TYPED_TEST(GemmTyped, PackedOperandGivesTheUnpackedBits) {
   }
 }
 
+// Fetching the next product's B while multiplying (gemm's next_b: the
+// kernels that also prefetch, which DCMHA's heads take in turn) changes
+// where data sits in cache, never the arithmetic: the same bits as without,
+// for B as it stands and packed, at every shape (tiles after tiles along k,
+// n and m, and the last one fetching next_b), accumulating or not.
+TYPED_TEST(GemmTyped, FetchingTheNextOperandGivesTheSameBits) {
+  using T = TypeParam;
+  std::mt19937 rng(19);
+  for (const Dims d : kShapes)
+    for (bool accumulate : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << gemm_backend() << " m=" << d.m << " n=" << d.n << " k=" << d.k
+                                        << " accumulate=" << accumulate);
+      const Matrix<T> a = random_matrix<T>(d.m, d.k, rng), b = random_matrix<T>(d.k, d.n, rng);
+      const Matrix<T> next = random_matrix<T>(d.k, d.n, rng), c0 = random_matrix<T>(d.m, d.n, rng);
+      const PackedMatrix<T> packed(b), packed_next(next);
+      Matrix<T> plain = c0, fetching = c0, packed_plain = c0, packed_fetching = c0;
+      gemm(a, b, plain, accumulate);
+      gemm(a, b, fetching, accumulate, next.data());
+      gemm(a, packed, packed_plain, accumulate);
+      gemm(a, packed.panels(), packed_fetching, accumulate, packed_next.panels().start());
+      EXPECT_EQ(fetching, plain);
+      EXPECT_EQ(packed_fetching, packed_plain);
+      expect_close<T>(fetching, naive_product(a, b, c0, accumulate), d.k);
+    }
+}
+
 // Keys are read from K_hᵀ in panels at any key offset and count (a query
 // block's visible keys), and CollabHead's heads read a span of its rows: a
 // view that starts inside a panel, ends inside one, or spans many

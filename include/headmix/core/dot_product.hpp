@@ -54,6 +54,14 @@ struct DotProductStages {
   using Half = Eigen::bfloat16;
   const Half* k_half = nullptr;                 ///< instead of kt and v, laid out alike in bfloat16 (reading())
   const Half* v_half = nullptr;
+  /// Every head is scored over the same keys in turn, then every head's
+  /// values are read in turn (detail::mix_in_key_chunks: DCMHA's Compose),
+  /// from K and V too large for L2: each product then fetches the next
+  /// head's K_hᵀ or V_h block into L2 while it runs (gemm's next_b), which
+  /// the hardware prefetchers, not knowing the order, do not. A DCMHA
+  /// forward took 0.91x its time at T = 2048 (1 thread, D = 768); heads that
+  /// run alone (MHA) keep their own K_h and V_h in L2 and leave this off.
+  bool heads_in_turn = false;
 
   /// Consecutive heads that read the same K and V, which the pipeline runs
   /// together over each key block (grouped-query attention).
@@ -63,7 +71,9 @@ struct DotProductStages {
   void score(Index b, Index a, Eigen::Map<Matrix<T>> out, Index q0, Index k0, Workspace<T>& ws, int w) const {
     const ConstStridedMap<T> qa(q + (b * queries + q0) * q_heads * dk + a * dk, out.rows(), dk,
                                 Eigen::OuterStride<>(q_heads * dk));
-    multiply_by_keys(qa, b, a / k_group, k0, out, ws, w);
+    Index next = -1;  // the next head's K head, when heads are scored in turn and it is another
+    if (heads_in_turn && a + 1 < q_heads && (a + 1) / k_group != a / k_group) next = (a + 1) / k_group;
+    multiply_by_keys(qa, b, a / k_group, k0, out, ws, w, next);
   }
   /// out [count, cols]: row i = Q_{a0 + i}[q0] · K_{a0 / k_group}[k0 .. k0 + cols)ᵀ, the scores of
   /// `count` heads that share a K head, for one query: one product where
@@ -144,18 +154,25 @@ struct DotProductStages {
                                  v_half + ((b * v_heads + c / v_group) * key_stride + k0) * dv, weights.cols(), dv,
                                  dv, out.data(), out.outerStride(), accumulate);
     }
-    multiply_rows(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate);
+    const T* next_values = nullptr;  // the next head's V rows, when heads are read in turn and it has others
+    if (heads_in_turn && v && c + 1 < v_heads * v_group && (c + 1) / v_group != c / v_group)
+      next_values = kv_rows(v, v_heads, dv, b, (c + 1) / v_group, k0, 0).data();
+    multiply_rows(weights, values(b, c, k0, weights.cols(), ws, w), out, accumulate, next_values);
   }
 
  private:
   // out = lhs · K_h[k0 .. k0 + out.cols())ᵀ, from K_hᵀ (packed, cached, or
-  // a bfloat16 cache's widened block) when there is one.
+  // a bfloat16 cache's widened block) when there is one; K head `next`'s
+  // same columns fetched meanwhile (packed, when next >= 0).
   template <class Lhs>
   void multiply_by_keys(const Lhs& lhs, Index b, Index h, Index k0, Eigen::Map<Matrix<T>> out, Workspace<T>& ws,
-                        int w) const {
+                        int w, Index next = -1) const {
     const Index cols = out.cols();
     if (kt && kt_panels) {
-      gemm(lhs, Panels<T>(kt + (b * k_heads + h) * dk * kt_stride, dk, kt_stride).middle_cols(k0, cols), out);
+      const auto keys_of = [&](Index head) {
+        return Panels<T>(kt + (b * k_heads + head) * dk * kt_stride, dk, kt_stride).middle_cols(k0, cols);
+      };
+      gemm(lhs, keys_of(h), out, false, next >= 0 ? keys_of(next).start() : nullptr);
     } else if (kt && lhs.rows() == 1) {
       stream_key_rows(lhs, kt + (b * k_heads + h) * dk * kt_stride + k0, cols, out.data());
     } else if (kt) {

@@ -46,25 +46,34 @@ constexpr Index kGemmTileM = 64, kGemmTileN = 64, kGemmTileK = 256;
 template <class T>
 using XsmmKernel = std::conditional_t<std::is_same_v<T, float>, libxsmm_smmfunction, libxsmm_dmmfunction>;
 
+// A kernel that fetches, while it runs, the B tile of the product after it
+// into L2 (libxsmm's AL2: its A is our B) takes that tile as a fourth
+// argument, and the next A and C (which it leaves alone) as the fifth and sixth.
 template <class T>
-XsmmKernel<T> xsmm_kernel(Index m, Index n, Index k, Index lda, Index ldb, Index ldc, bool accumulate) {
+XsmmKernel<T> xsmm_kernel(Index m, Index n, Index k, Index lda, Index ldb, Index ldc, bool accumulate,
+                          bool prefetch) {
   static const bool initialised = (libxsmm_init(), true);  // once, thread-safe
   (void)initialised;
   const libxsmm_blasint im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
   const T alpha = 1, beta = accumulate ? 1 : 0;
   const int flags = LIBXSMM_GEMM_FLAG_NONE;
+  const int strategy = prefetch ? LIBXSMM_GEMM_PREFETCH_AL2 : LIBXSMM_GEMM_PREFETCH_NONE;
   if constexpr (std::is_same_v<T, float>)
-    return libxsmm_smmdispatch(im, in, ik, &ilda, &ildb, &ildc, &alpha, &beta, &flags, nullptr);
+    return libxsmm_smmdispatch(im, in, ik, &ilda, &ildb, &ildc, &alpha, &beta, &flags, &strategy);
   else
-    return libxsmm_dmmdispatch(im, in, ik, &ilda, &ildb, &ildc, &alpha, &beta, &flags, nullptr);
+    return libxsmm_dmmdispatch(im, in, ik, &ilda, &ildb, &ildc, &alpha, &beta, &flags, &strategy);
 }
 
 /// Row-major C[m, n] (+)= A[m, k]·B[k, n], where `b_tile(p0, i0)` gives
 /// the tile of B at rows p0.., columns i0.. and its row stride (B as it
-/// stands, or packed). A tile libxsmm has no kernel for (it never happened
-/// on the shapes headmix makes) runs on Eigen.
+/// stands, or packed). With `next_b`, the first B tile of the product that
+/// follows, every tile's kernel fetches the B tile after it into L2 (the
+/// last one: next_b's), which the arithmetic does not see. A tile libxsmm
+/// has no kernel for (it never happened on the shapes headmix makes) runs
+/// on Eigen.
 template <class T, class BTile>
-void xsmm_gemm(Index m, Index n, Index k, const T* a, Index lda, BTile b_tile, T* c, Index ldc, bool accumulate) {
+void xsmm_gemm(Index m, Index n, Index k, const T* a, Index lda, BTile b_tile, T* c, Index ldc, bool accumulate,
+               const T* next_b = nullptr) {
   // Within one call only the last tile of each dimension differs, so at most
   // 16 kernels: looked up once each rather than per tile. Full-width tiles
   // share one B stride, and the narrower ones are a single column of tiles,
@@ -80,9 +89,18 @@ void xsmm_gemm(Index m, Index n, Index k, const T* a, Index lda, BTile b_tile, T
         const bool acc = accumulate || p0 > 0;
         const auto [bt, ldb] = b_tile(p0, i0);
         const int key = int(mi == kGemmTileM) | int(nj == kGemmTileN) << 1 | int(kp == kGemmTileK) << 2 | int(acc) << 3;
-        if (!looked_up[key]) kernels[key] = xsmm_kernel<T>(mi, nj, kp, ldb, lda, ldc, acc), looked_up[key] = true;
+        if (!looked_up[key])
+          kernels[key] = xsmm_kernel<T>(mi, nj, kp, ldb, lda, ldc, acc, next_b != nullptr), looked_up[key] = true;
         const T* at = a + j0 * lda + p0;
         T* ct = c + j0 * ldc + i0;
+        if (kernels[key] && next_b) {
+          const T* after = p0 + kGemmTileK < k   ? b_tile(p0 + kGemmTileK, i0).first
+                           : i0 + kGemmTileM < n ? b_tile(0, i0 + kGemmTileM).first
+                           : j0 + kGemmTileN < m ? b_tile(0, 0).first
+                                                 : next_b;  // the loops' next tile, or the next product's
+          kernels[key](bt, at, ct, after, at, ct);
+          continue;
+        }
         if (kernels[key]) {
           kernels[key](bt, at, ct);
           continue;
@@ -109,7 +127,8 @@ constexpr bool row_major_direct() {
 /// libxsmm can take `a` and `c` as they stand (float or double, row-major,
 /// unit inner stride): then true. Otherwise false, and the caller runs Eigen.
 template <class A, class C, class BTile>
-bool xsmm_product(const Eigen::MatrixBase<A>& a, const BTile& b_tile, Eigen::MatrixBase<C>& c, bool accumulate) {
+bool xsmm_product(const Eigen::MatrixBase<A>& a, const BTile& b_tile, Eigen::MatrixBase<C>& c, bool accumulate,
+                  const typename C::Scalar* next_b = nullptr) {
 #ifdef HEADMIX_USE_LIBXSMM
   using T = typename C::Scalar;
   if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, double>) && row_major_direct<A>() &&
@@ -121,11 +140,11 @@ bool xsmm_product(const Eigen::MatrixBase<A>& a, const BTile& b_tile, Eigen::Mat
       return true;
     }
     xsmm_gemm<T>(c.rows(), c.cols(), a.cols(), a.derived().data(), a.outerStride(), b_tile, c.derived().data(),
-                 c.outerStride(), accumulate);
+                 c.outerStride(), accumulate, next_b);
     return true;
   }
 #endif
-  (void)a, (void)b_tile, (void)c, (void)accumulate;
+  (void)a, (void)b_tile, (void)c, (void)accumulate, (void)next_b;
   return false;
 }
 
@@ -134,9 +153,12 @@ bool xsmm_product(const Eigen::MatrixBase<A>& a, const BTile& b_tile, Eigen::Mat
 /// `c = a·b`, or `c += a·b` when `accumulate`: row-major Eigen blocks or
 /// maps (libxsmm takes them with unit inner stride; anything else, e.g. a
 /// transposed expression, runs on Eigen: lay such operands out once instead).
+/// `next_b`: where the right-hand operand of the product the caller runs
+/// next starts, when it is not in cache yet. libxsmm's kernels then fetch it
+/// into L2 while this product runs; the result is the same bits either way.
 template <class A, class B, class C>
 void gemm(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b, const Eigen::MatrixBase<C>& c_,
-          bool accumulate = false) {
+          bool accumulate = false, const typename C::Scalar* next_b = nullptr) {
   auto& c = const_cast<Eigen::MatrixBase<C>&>(c_);
   using T = typename C::Scalar;
   static_assert(std::is_same_v<typename A::Scalar, T> && std::is_same_v<typename B::Scalar, T>);
@@ -146,9 +168,10 @@ void gemm(const Eigen::MatrixBase<A>& a, const Eigen::MatrixBase<B>& b, const Ei
       const T* bd = b.derived().data();
       const Index ldb = b.outerStride();
       const auto tile = [&](Index p0, Index i0) { return std::pair(bd + p0 * ldb + i0, ldb); };
-      if (detail::xsmm_product(a, tile, c, accumulate)) return;
+      if (detail::xsmm_product(a, tile, c, accumulate, next_b)) return;
     }
   }
+  (void)next_b;
   if (accumulate)
     c.noalias() += a * b;
   else
@@ -270,6 +293,8 @@ class Panels {
     return {data_ + i0 * stored_rows_ + first_row_ * w, rows_, w};
   }
   Index panel_cols(Index i0) const { return std::min(kWidth, stored_cols_ - i0); }
+  /// Where the view's first stored panel starts, at the view's first row.
+  const T* start() const { return data_ + first_row_ * panel_cols(0); }
   /// The view's first columns up to the next panel boundary, as a strided
   /// block of the panel that holds them (empty when the view is aligned).
   ConstStridedMap<T> lead() const {
@@ -308,13 +333,14 @@ class PackedMatrix {
 namespace detail {
 // c (+)= a·b for a view b that starts at a panel boundary.
 template <class A, class T, class C>
-void gemm_aligned_panels(const Eigen::MatrixBase<A>& a, const Panels<T>& b, C&& c, bool accumulate) {
+void gemm_aligned_panels(const Eigen::MatrixBase<A>& a, const Panels<T>& b, C&& c, bool accumulate,
+                         const T* next_b) {
   eigen_assert(b.offset() == 0);
   const auto tile = [&](Index p0, Index i0) {
     const Index ld = b.panel_cols(i0);
     return std::pair(b.panel(i0).data() + p0 * ld, ld);
   };
-  if (xsmm_product(a, tile, c, accumulate)) return;
+  if (xsmm_product(a, tile, c, accumulate, next_b)) return;
   for (Index i0 = 0; i0 < b.cols(); i0 += Panels<T>::kWidth) {
     const Index w = std::min(Panels<T>::kWidth, b.cols() - i0);
     auto ci = c.middleCols(i0, w);
@@ -330,17 +356,19 @@ void gemm_aligned_panels(const Eigen::MatrixBase<A>& a, const Panels<T>& b, C&& 
 /// gemm() on b as it stands when the view starts at a panel boundary;
 /// panel by panel on Eigen's GEMM. A view that starts inside a panel takes
 /// its first columns as a strided block (a narrower kernel, which may sum
-/// in another order), then the rest panel-aligned.
+/// in another order), then the rest panel-aligned. `next_b` as for gemm().
 template <class A, class T, class C>
-void gemm(const Eigen::MatrixBase<A>& a, const Panels<T>& b, const Eigen::MatrixBase<C>& c_, bool accumulate = false) {
+void gemm(const Eigen::MatrixBase<A>& a, const Panels<T>& b, const Eigen::MatrixBase<C>& c_, bool accumulate = false,
+          const T* next_b = nullptr) {
   auto& c = const_cast<Eigen::MatrixBase<C>&>(c_);
   static_assert(std::is_same_v<typename A::Scalar, T> && std::is_same_v<typename C::Scalar, T>);
   eigen_assert(a.rows() == c.rows() && b.cols() == c.cols() && a.cols() == b.rows());
-  if (b.offset() == 0) return detail::gemm_aligned_panels(a, b, c, accumulate);
+  if (b.offset() == 0) return detail::gemm_aligned_panels(a, b, c, accumulate, next_b);
   const ConstStridedMap<T> lead = b.lead();
   gemm(a, lead, c.leftCols(lead.cols()), accumulate);
   const Index rest = b.cols() - lead.cols();
-  if (rest > 0) detail::gemm_aligned_panels(a, b.middle_cols(lead.cols(), rest), c.rightCols(rest), accumulate);
+  if (rest > 0)
+    detail::gemm_aligned_panels(a, b.middle_cols(lead.cols(), rest), c.rightCols(rest), accumulate, next_b);
 }
 
 template <class A, class T, class C>

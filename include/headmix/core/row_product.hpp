@@ -279,16 +279,17 @@ void multiply_few_rows(Index R, const T* weights, Index weight_stride, const Eig
 }
 
 /// out (+)= weights · values: one row of weights streams over the value
-/// rows (accumulate_rows), several run a GEMM.
+/// rows (accumulate_rows), several run a GEMM (`next_values` as gemm()'s next_b).
 template <class Weights, class Values, class Out>
-void multiply_rows(const Weights& weights, const Values& values, Out&& out, bool accumulate) {
+void multiply_rows(const Weights& weights, const Values& values, Out&& out, bool accumulate,
+                   const typename std::decay_t<Out>::Scalar* next_values = nullptr) {
   if constexpr (detail::row_major_direct<Weights>() && detail::row_major_direct<Values>() &&
                 detail::row_major_direct<std::decay_t<Out>>()) {
     if (weights.rows() == 1 && weights.innerStride() == 1 && values.innerStride() == 1 && out.innerStride() == 1)
       return accumulate_rows(weights.data(), values.data(), values.rows(), values.outerStride(), values.cols(),
                              out.data(), accumulate);
   }
-  gemm(weights, values, out, accumulate);
+  gemm(weights, values, out, accumulate, next_values);
 }
 
 }  // namespace headmix

@@ -315,11 +315,14 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
   };
 
   // Dot-product scores and readout over Q, K and V of `src`, with KV heads
-  // shared by contiguous groups of query heads.
+  // shared by contiguous groups of query heads; with a Compose, the heads
+  // of each chunk of keys in turn (detail::mix_in_key_chunks).
   DotProductStages<T> stages(const Sources& src) const {
     const Index H = num_heads(), Hkv = num_kv_heads();
-    return {src.q,   src.k,   src.v, src.queries, src.kv_stride, H, Hkv, Hkv, head_dim(), v_head_dim(), H / Hkv,
-            H / Hkv};
+    DotProductStages<T> s{src.q, src.k, src.v, src.queries, src.kv_stride, H, Hkv, Hkv,
+                          head_dim(), v_head_dim(), H / Hkv, H / Hkv};
+    s.heads_in_turn = has_mix();
+    return s;
   }
 
   // The pipeline stages of DCMHA: dot-product scores and readout, and the
