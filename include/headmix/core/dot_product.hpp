@@ -55,12 +55,14 @@ struct DotProductStages {
   const Half* k_half = nullptr;                 ///< instead of kt and v, laid out alike in bfloat16 (reading())
   const Half* v_half = nullptr;
   /// Every head is scored over the same keys in turn, then every head's
-  /// values are read in turn (detail::mix_in_key_chunks: DCMHA's Compose),
-  /// from K and V too large for L2: each product then fetches the next
+  /// values are read in turn, from K and V too large for L2: the variants
+  /// that mix heads (DCMHA over chunks of keys, detail::mix_in_key_chunks;
+  /// Talking-Heads over a block's keys). Each product then fetches the next
   /// head's K_hᵀ or V_h block into L2 while it runs (gemm's next_b), which
-  /// the hardware prefetchers, not knowing the order, do not. A DCMHA
-  /// forward took 0.91x its time at T = 2048 (1 thread, D = 768); heads that
-  /// run alone (MHA) keep their own K_h and V_h in L2 and leave this off.
+  /// the hardware prefetchers, not knowing the order, do not: forwards took
+  /// 0.91x (DCMHA) and 0.96x (Talking-Heads) their time at T = 2048 (1
+  /// thread, D = 768). Heads that run alone (MHA) keep their own K_h and V_h
+  /// in L2 and leave this off.
   bool heads_in_turn = false;
 
   /// Consecutive heads that read the same K and V, which the pipeline runs

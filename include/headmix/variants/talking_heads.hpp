@@ -222,7 +222,8 @@ class TalkingHeads : public LayerForms<TalkingHeads<T>, T> {
     const DenseRun<T> run{B, T_, S, mask, padding, block_rows(key_stride), opt_.threads, ctx.data(), probs,
                           opt_.keys_per_block()};
     const Index sk = stored_key_heads(), sv = stored_value_heads();
-    const DotProductStages<T> stages{q.data(), k, v, T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
+    DotProductStages<T> stages{q.data(), k, v, T_, key_stride, hk, sk, sv, dk, dv, hk / sk, hv / sv};
+    stages.heads_in_turn = has_pre_mix() || has_post_mix();  // the mixes score a block's heads in turn
     reserve_mix_scratch(ws, key_stride);
     run_dense_pipeline(Policy{cache ? stages.reading(*cache, ws, opt_.threads) : stages.packed(B, S, ws, opt_.threads),
                               w_.pre_softmax, w_.post_softmax, h, hv},
