@@ -137,7 +137,8 @@ TYPED_TEST(GemmTyped, PackedOperandGivesTheUnpackedBits) {
 }
 
 // Fetching the next product's B while multiplying (gemm's next_b: the
-// kernels that also prefetch, which DCMHA's heads take in turn) changes
+// kernels that also prefetch, which DCMHA's and Talking-Heads' heads take
+// in turn) changes
 // where data sits in cache, never the arithmetic: the same bits as without,
 // for B as it stands and packed, at every shape (tiles after tiles along k,
 // n and m, and the last one fetching next_b), accumulating or not.
