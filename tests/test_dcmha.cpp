@@ -897,9 +897,10 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
     for (Index R : {1, 2, 3})
       for (Index len : {7, 37, 300})
         for (int flags = 0; flags < 32; ++flags) {
-          const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, accumulate = (flags & 8) || static_loop;
+          // The static term in the kernel (static_loop) or a GEMM's, added from `base` (gemm_term).
+          const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, gemm_term = flags & 8;
           const bool half = flags & 16;  // key-wise factors stored as bfloat16 bits (a bfloat16 cache's)
-          if (half && !kw) continue;
+          if ((half && !kw) || (static_loop && gemm_term)) continue;
           const Index RM = R * M, plane = len + plane_pad, rs = len + 3;
           auto random = [&](Index n) {
             std::vector<T> v(static_cast<std::size_t>(n));
@@ -917,7 +918,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
           const std::vector<T> before = random(M * plane);
           headmix::Matrix<T> mix(M, M);
           for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
-          const T identity = accumulate ? T(0) : T(1);
+          const T identity = static_loop || gemm_term ? T(0) : T(1);
           std::vector<T> scratch(static_cast<std::size_t>(headmix::detail::compose_scratch<T>(M, R)));
 
           // The formula, in double.
@@ -929,7 +930,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
               double o = 0;
               if (static_loop)
                 for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
-              else if (accumulate)
+              else if (gemm_term)
                 o = before[n * plane + x];
               double diag = identity + (qw ? qf[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
               o += diag * zm(n);
@@ -945,13 +946,19 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
               expect[n * plane + x] = o;
             }
           }
-          for (bool generic_only : {false, true}) {
-            std::vector<T> out = before;
+          // Into a separate output and in place (z and o the same values, as
+          // the layer runs them).
+          for (int pass = 0; pass < 4; ++pass) {
+            const bool generic_only = pass & 1, in_place = pass & 2;
+            std::vector<T> out = in_place ? z : random(M * plane);
+            const std::vector<T> untouched = out;
             const auto compose = [&](const auto* kf_stored) {
               using Stored = std::remove_const_t<std::remove_pointer_t<decltype(kf_stored)>>;
-              const headmix::detail::ComposeSegment<T, Stored> s{z.data(), out.data(), plane, qw ? qf.data() : nullptr,
+              const headmix::detail::ComposeSegment<T, Stored> s{in_place ? out.data() : z.data(), out.data(), plane,
+                                                                 qw ? qf.data() : nullptr,
                                                                  kw ? kf_stored : nullptr, rs, &mix, M, R,
-                                                                 static_loop, accumulate, identity, scratch.data()};
+                                                                 static_loop, gemm_term ? before.data() : nullptr,
+                                                                 identity, scratch.data()};
               headmix::detail::compose_segment(s, len, generic_only);
             };
             if (half)
@@ -963,11 +970,12 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
               for (Index x = 0; x < plane; ++x) {
                 const std::size_t i = static_cast<std::size_t>(n * plane + x);
                 if (x >= len) {  // past the segment: untouched
-                  ASSERT_EQ(out[i], before[i]) << "wrote past the segment";
+                  ASSERT_EQ(out[i], untouched[i]) << "wrote past the segment";
                   continue;
                 }
                 ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
-                    << (generic_only ? "reference" : "fast") << " kernel, M " << M << " R " << R << " len " << len
+                    << (generic_only ? "reference" : "fast") << " kernel" << (in_place ? " in place" : "") << ", M " << M
+                    << " R " << R << " len " << len
                     << (half ? " bfloat16 factors" : "")
                     << " flags " << flags << " head " << n << " column " << x;
               }

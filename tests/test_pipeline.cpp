@@ -79,19 +79,22 @@ struct Mixing {
   void score(Index b, Index h, Eigen::Map<Matrix<double>> out, Index q0, Index k0, Workspace<double>&, int) const {
     out = t->score[b * kScoreHeads + h].block(q0, k0, out.rows(), out.cols());
   }
-  static void mix(const Matrix<double>& m, const AttentionTensor<double>& in, const AttentionTensor<double>& out) {
-    for (Index o = 0; o < out.heads(); ++o) {
-      out.head(o).setZero();
-      for (Index i = 0; i < in.heads(); ++i) out.head(o) += m(o, i) * in.head(i);
+  // In place: `heads_in` heads before, tile.heads() after (the buffer has
+  // room for either).
+  static void mix(const Matrix<double>& m, const AttentionTensor<double>& tile, Index heads_in) {
+    const AttentionTensor<double> in = tile.like(tile.data(), heads_in);
+    std::vector<Matrix<double>> before;
+    for (Index i = 0; i < in.heads(); ++i) before.emplace_back(in.head(i));
+    for (Index o = 0; o < tile.heads(); ++o) {
+      tile.head(o).setZero();
+      for (Index i = 0; i < in.heads(); ++i) tile.head(o) += m(o, i) * before[static_cast<std::size_t>(i)];
     }
   }
-  void pre_mix(Index, const AttentionTensor<double>& in, const AttentionTensor<double>& out, Workspace<double>&,
-               int) const {
-    mix(t->pre, in, out);
+  void pre_mix(Index, const AttentionTensor<double>& tile, Workspace<double>&, int) const {
+    mix(t->pre, tile, score_heads());
   }
-  void post_mix(Index, const AttentionTensor<double>& in, const AttentionTensor<double>& out, Workspace<double>&,
-                int) const {
-    mix(t->post, in, out);
+  void post_mix(Index, const AttentionTensor<double>& tile, Workspace<double>&, int) const {
+    mix(t->post, tile, softmax_heads());
   }
   auto values(Index b, Index c, Index k0, Index count, Workspace<double>&, int) const {
     return t->value[b * kValueHeads + c].middleRows(k0, count);

@@ -14,11 +14,13 @@
 //   values(b, head, first_key, count, Workspace<T>&, worker) -> [count, value_dim] row-major block
 //
 // A policy that mixes heads also declares which mixes a call runs, and
-// either both mixes as stages of their own:
+// either both mixes as stages of their own, each rewriting a tile in place
+// (score heads into softmax heads, softmax heads into value heads; the
+// tile's buffer holds max(score, softmax, value heads) planes):
 //
 //   bool has_pre_mix(), has_post_mix();
-//   void pre_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
-//   void post_mix(b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>&, worker);
+//   void pre_mix(b, const AttentionTensor<T>& tile, Workspace<T>&, worker);
+//   void post_mix(b, const AttentionTensor<T>& tile, Workspace<T>&, worker);
 //
 // or one fused stage that rewrites the scores tile in place (its buffer
 // holds max(score_heads, value_heads) planes) and returns the final weights:
@@ -121,12 +123,12 @@ struct DenseRun {
 };
 
 /// Keys per chunk when a policy mixes heads in stages of their own
-/// (detail::mix_in_key_chunks): a chunk and its mixed copy,
-/// 2 · heads · rows · 128 values (768 KiB at 12 heads, 64 rows, float), stay
-/// in L2 through each sweep. Measured on DCMHA (D = 768, T = 1024 and 2048,
-/// paired): 128 ran 1-5% faster than 64 (whose rows are too short for the
-/// softmax's per-row work) and than 256; 32 ran ~15% slower. One query row
-/// (a decoding step) takes all its keys as one chunk.
+/// (detail::mix_in_key_chunks): a chunk, heads · rows · 128 values (384
+/// KiB at 12 heads, 64 rows, float), stays in L2 through each sweep.
+/// Measured on DCMHA (D = 768, T = 1024 and 2048, paired): 128 ran 1-5%
+/// faster than 64 (whose rows are too short for the softmax's per-row
+/// work) and than 256; 32 ran ~15% slower. One query row (a decoding step)
+/// takes all its keys as one chunk.
 inline constexpr Index mix_chunk = 128;
 inline Index mix_chunk_keys(Index rows, Index cols) {
   return rows == 1 ? std::max<Index>(1, cols) : std::clamp<Index>(cols, 1, mix_chunk);
@@ -145,17 +147,16 @@ void reserve_dense_tiles(Workspace<T>& ws, int threads, Index planes, bool mix_s
                          Index keys, Index key_block = 0, Index group = 1) {
   const int workers = std::max(1, threads);
   ws.reserve_local(workers, slot::key_bias, keys);
-  if (mix_stages) {  // the block's chunks, a chunk tile, and per row: max, sum and the chunks' maxima
+  if (mix_stages) {  // the block's chunks, and per row: max, sum and the chunks' maxima
     const Index chunk = mix_chunk_keys(block_rows, keys), chunks = (std::max<Index>(1, keys) + chunk - 1) / chunk;
-    ws.reserve_local(workers, slot::tile_a, planes * std::max(block_rows * chunks * chunk, keys));
-    ws.reserve_local(workers, slot::tile_b, planes * std::max(block_rows * chunk, keys));
+    ws.reserve_local(workers, slot::tile, planes * std::max(block_rows * chunks * chunk, keys));
     ws.reserve_local(workers, slot::row_stats, planes * std::max<Index>(block_rows * (2 + chunks), 3));
     return;
   }
   // Heads run alone over key blocks, except one query row (a step): all keys at once.
   const Index tile_keys = key_block > 0 ? std::min(keys, key_block) : keys, one_row = key_block > 0 ? group * keys : 0;
   ws.reserve_local(workers, slot::row_stats, 2 * block_rows * group);
-  ws.reserve_local(workers, slot::tile_a, std::max(std::max(planes * block_rows, group) * tile_keys, one_row));
+  ws.reserve_local(workers, slot::tile, std::max(std::max(planes * block_rows, group) * tile_keys, one_row));
 }
 
 namespace detail {
@@ -194,7 +195,7 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
                     const T* bias, Index key_block, Index group, bool shared_values, T* context_row, T* probs,
                     Index head_stride, Workspace<T>& ws, int w, Index h_begin, Index h_end) {
   const Index dv = policy.value_dim();
-  T* buf = ws.local(w, slot::tile_a, group * key_block);
+  T* buf = ws.local(w, slot::tile, group * key_block);
   OnlineSoftmax<T> softmax(ws.local(w, slot::row_stats, 2 * group), group);
   for (Index h0 = h_begin; h0 < h_end; h0 += group) {
     const Index n_heads = std::min(group, h_end - h0);
@@ -232,10 +233,13 @@ void attend_stacked(const Policy& policy, Index b, Index q0, Index k0, Index k1,
 ///  2. scale each chunk's exponentials to the final softmax
 ///     (OnlineSoftmax::rescale), post-mix them, and hand each value
 ///     head's weights to emit(head, weights, chunk's first column).
-/// Each chunk is a tile of its own in one buffer, written once and read
-/// once; each mix runs on a chunk in L2. Against the two-pass softmax the
-/// weights differ by the online softmax's rounding (core/online_softmax.hpp,
-/// with chunks for blocks) plus the one rescaling multiply.
+/// Each chunk is a tile of its own in one buffer, and every stage rewrites
+/// it in place while it is in L2, so the block's traffic beyond L2 is each
+/// chunk written once and read once (mixing into a second tile cost DCMHA
+/// 1.03x the time on 1 thread and 1.11x on 2, T = 1024). Against the
+/// two-pass softmax the weights differ by the online softmax's rounding
+/// (core/online_softmax.hpp, with chunks for blocks) plus the one
+/// rescaling multiply.
 template <class T, class Policy, class Emit>
 void mix_in_key_chunks(const Policy& policy, Index b, Index q0, Index rows, Index k0, Index cols, Index S,
                        const PositionMask& mask, const T* bias, Index tile_heads, Emit&& emit, Workspace<T>& ws,
@@ -243,10 +247,9 @@ void mix_in_key_chunks(const Policy& policy, Index b, Index q0, Index rows, Inde
   const Index hs = policy.softmax_heads(), hv = policy.value_heads();
   const Index chunk = mix_chunk_keys(rows, cols), chunks = (std::max<Index>(1, cols) + chunk - 1) / chunk;
   const Index chunk_size = tile_heads * rows * chunk;
-  T* kept = ws.local(w, slot::tile_a, chunks * chunk_size);  // chunk i at kept + i · chunk_size
-  T* spare = ws.local(w, slot::tile_b, chunk_size);
+  T* kept = ws.local(w, slot::tile, chunks * chunk_size);  // chunk i at kept + i · chunk_size
   if (cols == 0) {  // no visible key: zero weights
-    for (Index c = 0; c < hv; ++c) emit(c, Eigen::Map<Matrix<T>>(spare, rows, 0), 0);
+    for (Index c = 0; c < hv; ++c) emit(c, Eigen::Map<Matrix<T>>(kept, rows, 0), 0);
     return;
   }
   T* stats = ws.local(w, slot::row_stats, hs * rows * (2 + chunks));
@@ -261,14 +264,9 @@ void mix_in_key_chunks(const Policy& policy, Index b, Index q0, Index rows, Inde
   for (Index h = 0; h < hs; ++h) softmax_of(h).start();
   for (Index i = 0; i < chunks; ++i) {
     const Index c0 = i * chunk;
-    AttentionTensor<T> logits = tile(i, hs);
-    if (policy.has_pre_mix()) {
-      const AttentionTensor<T> scores = logits.like(spare, policy.score_heads());
-      for (Index h = 0; h < scores.heads(); ++h) policy.score(b, h, scores.head(h), q0, k0 + c0, ws, w);
-      policy.pre_mix(b, scores, logits, ws, w);
-    } else {
-      for (Index h = 0; h < hs; ++h) policy.score(b, h, logits.head(h), q0, k0 + c0, ws, w);
-    }
+    const AttentionTensor<T> scores = tile(i, policy.score_heads()), logits = tile(i, hs);
+    for (Index h = 0; h < scores.heads(); ++h) policy.score(b, h, scores.head(h), q0, k0 + c0, ws, w);
+    if (policy.has_pre_mix()) policy.pre_mix(b, logits, ws, w);
     for (Index h = 0; h < hs; ++h) {
       auto softmax = softmax_of(h);
       softmax.absorb(logits.head(h), q0, k0 + c0, S, mask, bias ? bias + c0 : nullptr, nothing_to_rescale);
@@ -277,13 +275,9 @@ void mix_in_key_chunks(const Policy& policy, Index b, Index q0, Index rows, Inde
   }
 
   for (Index i = 0; i < chunks; ++i) {
-    const AttentionTensor<T> probs = tile(i, hs);
+    const AttentionTensor<T> probs = tile(i, hs), weights = tile(i, hv);
     for (Index h = 0; h < hs; ++h) softmax_of(h).rescale(probs.head(h), chunk_max + (i * hs + h) * rows);
-    AttentionTensor<T> weights = probs;
-    if (policy.has_post_mix()) {
-      weights = probs.like(spare, hv);
-      policy.post_mix(b, probs, weights, ws, w);
-    }
+    if (policy.has_post_mix()) policy.post_mix(b, weights, ws, w);
     for (Index c = 0; c < hv; ++c) emit(c, weights.head(c), i * chunk);
   }
 }
@@ -362,7 +356,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
       // of S scores: its products then stream each K_hᵀ row whole.
       const Index key_block = rows == 1 ? std::max<Index>(1, cols)
                                         : std::min(std::max<Index>(1, run.key_block), std::max<Index>(1, cols));
-      T* buf = ws.local(w, slot::tile_a, rows * key_block);
+      T* buf = ws.local(w, slot::tile, rows * key_block);
       T* stats = ws.local(w, slot::row_stats, 2 * rows * group_heads);
       auto tile = [&](Index kb) { return Eigen::Map<Matrix<T>>(buf, rows, std::min(key_block, k1 - kb)); };
       auto out_of = [&](Index h) { return context.block(b * T_ + q0, h * dv, rows, dv); };
@@ -409,7 +403,7 @@ void run_dense_pipeline(const Policy& policy, const DenseRun<T>& run, Workspace<
     }
     if constexpr (mixes_heads<Policy>::value) {
       if constexpr (fuses_mix_softmax<Policy>::value) {  // one pass over the block's tile, in place
-        T* buf = ws.local(w, slot::tile_a, tile_heads * rows * cols);
+        T* buf = ws.local(w, slot::tile, tile_heads * rows * cols);
         AttentionTensor<T> scores(buf, policy.score_heads(), rows, cols, q0, k0);
         for (Index h = 0; h < scores.heads(); ++h)
           if (cols > 0) policy.score(b, h, scores.head(h), q0, k0, ws, w);

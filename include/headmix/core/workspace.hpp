@@ -90,9 +90,9 @@ namespace slot {
 /// Shared: Q, K, V and the heads' context; K_hᵀ and V_h copied head-major
 /// once per call (DotProductStages::packed); variants' own from `variant`.
 enum : std::size_t { query = 0, key, value, context, packed_key, packed_value, variant = 8 };
-/// Per worker: the pipeline's tiles, padding bias and softmax statistics; a
+/// Per worker: the pipeline's tile, padding bias and softmax statistics; a
 /// bfloat16 cache's K and V blocks widened to T (DotProductStages).
-enum : std::size_t { tile_a = 0, tile_b, key_bias, row_stats, widened_key, widened_value, local_variant = 8 };
+enum : std::size_t { tile = 0, key_bias, row_stats, widened_key, widened_value, local_variant = 8 };
 }  // namespace slot
 
 }  // namespace headmix

@@ -23,7 +23,7 @@
 // query-wise factors are constants along a row and the key-wise ones are
 // coefficient rows along the columns, so every branch is a rank-R
 // projection plus a diagonal scaling done with vectorised multiply-adds,
-// and the static part is core mix_heads (one GEMM).
+// and the static part is too, or core mix_heads (one GEMM).
 //
 // Incremental decoding: a SequenceCache keeps K, V and the key-side
 // factors; step() appends n positions and attends to everything cached,
@@ -34,9 +34,10 @@
 //   + factors (B·T + B·S) · G·(2R+1)·M per used stage (S padded)
 //   + a forward: K and V again, copied head-major (DotProductStages::packed)
 //   + per worker: a tile H · block_rows · S (its key chunks, one after the
-//     other: core/pipeline.hpp), a chunk H · block_rows · 128, the
-//     dynamic-weight scratch (64 rows × G·slots·(K+M)) and (M + 2R) KiB of
-//     compose scratch,
+//     other: core/pipeline.hpp), the dynamic-weight scratch (64 rows ×
+//     G·slots·(K+M)), (M + 2R) KiB of compose scratch and, with a static
+//     term that runs as a GEMM (below), that term for a group's chunk,
+//     M · block_rows · 128,
 // so attention memory grows with block_rows · S, never T · S.
 //
 // Files: dcmha/options.hpp (options, weights, multiply-add counts),
@@ -199,7 +200,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
 
     const DenseRun<T> run{B, T_, S, opt_.mask(), in.key_padding,
                           block_rows_for(S), opt_.threads, ctx.data(), probs, opt_.keys_per_block()};
-    reserve_compose(ws);
+    reserve_compose(ws, std::min(T_, run.block_rows), S);
     run_dense_pipeline(Policy{stages(src).packed(B, S, ws, opt_.threads), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
   }
@@ -254,7 +255,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     // Bottom-right: the last new position sees all.
     const DenseRun<T> run{B, n, S, opt_.step_mask(past), {}, block_rows_for(S), opt_.threads,
                           ctx.data(), probs, opt_.keys_per_block()};
-    reserve_compose(ws);
+    reserve_compose(ws, std::min(n, run.block_rows), cap);
     run_dense_pipeline(Policy{stages(src).reading(cache, ws, opt_.threads), this, src, run.mask, S}, run, ws);
     finish(ctx, out);
     cache.advance(n);
@@ -340,13 +341,11 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     bool has_pre_mix() const { return layer->opt_.use_pre; }
     bool has_post_mix() const { return layer->opt_.use_post; }
 
-    void pre_mix(Index b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>& ws,
-                 int w) const {
-      layer->compose(0, *this, b, in, out, ws, w);
+    void pre_mix(Index b, const AttentionTensor<T>& tile, Workspace<T>& ws, int w) const {
+      layer->compose(0, *this, b, tile, ws, w);
     }
-    void post_mix(Index b, const AttentionTensor<T>& in, const AttentionTensor<T>& out, Workspace<T>& ws,
-                  int w) const {
-      layer->compose(1, *this, b, in, out, ws, w);
+    void post_mix(Index b, const AttentionTensor<T>& tile, Workspace<T>& ws, int w) const {
+      layer->compose(1, *this, b, tile, ws, w);
     }
   };
 
@@ -357,7 +356,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     shared_query_factors = slot::variant,
     shared_key_factors = slot::variant + 2,
   };
-  enum : std::size_t { local_u = slot::local_variant, local_f, local_compose };
+  enum : std::size_t { local_u = slot::local_variant, local_f, local_compose, local_static_term };
 
   bool has_mix() const { return opt_.use_pre || opt_.use_post; }
   bool stage_used(int st) const { return st == 0 ? opt_.use_pre : opt_.use_post; }
@@ -394,19 +393,29 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
       project_rows<T>(w_.o, ConstMatrixMap<T>(ctx.data(), ctx.rows(), ctx.cols()), out.rows(), opt_.threads);
   }
 
-  // Every worker's compose scratch, before the pipeline's tasks: any worker
-  // may take a tile, so a call allocates nothing once one has sized it.
-  void reserve_compose(Workspace<T>& ws) const {
-    ws.reserve_local(std::max(1, opt_.threads), local_compose, detail::compose_scratch<T>(group_heads(), rank()));
+  // The static term I + P: in the kernels, when they hold the group's heads
+  // in registers (the tile is then read once and written once) or on
+  // single-row tiles (decoding), where a GEMM would pack (and for long
+  // caches heap-allocate) more than the M² multiply-adds per key it saves;
+  // else one mix_heads GEMM over the group's planes first, into scratch.
+  bool static_in_kernels(Index rows) const { return rows == 1 || detail::compose_holds_heads(group_heads()); }
+
+  // Every worker's compose scratch for tiles of up to `rows` queries over
+  // `keys` keys, before the pipeline's tasks: any worker may take a tile, so
+  // a call allocates nothing once one has sized it.
+  void reserve_compose(Workspace<T>& ws, Index rows, Index keys) const {
+    const int workers = std::max(1, opt_.threads);
+    ws.reserve_local(workers, local_compose, detail::compose_scratch<T>(group_heads(), rank()));
+    if (opt_.static_w && !static_in_kernels(rows))
+      ws.reserve_local(workers, local_static_term, group_heads() * rows * mix_chunk_keys(rows, keys));
   }
 
-  // One compose stage on a tile: out = in · C(t, s) per group, on the
+  // One compose stage on a tile, in place: z ← z · C(t, s) per group, on the
   // visible keys of each row (others are set to 0), a column chunk of every
   // row at a time (dcmha/compose.hpp).
-  void compose(int st, const Policy& pol, Index b, const AttentionTensor<T>& in, const AttentionTensor<T>& out,
-               Workspace<T>& ws, int w) const {
-    const Index rows = in.rows(), cols = in.cols(), plane = rows * cols;
-    const Index q0 = in.first_query(), k0 = in.first_key();
+  void compose(int st, const Policy& pol, Index b, const AttentionTensor<T>& tile, Workspace<T>& ws, int w) const {
+    const Index rows = tile.rows(), cols = tile.cols(), plane = rows * cols;
+    const Index q0 = tile.first_query(), k0 = tile.first_key();
     const Index G = groups(), M = group_heads(), R = rank(), FW = group_factor_width();
     const bool qw = opt_.query_wise, kw = opt_.key_wise, sw = opt_.static_w;
     const Sources& src = pol.src;
@@ -416,12 +425,7 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     // registers or this contiguous scratch and use them from there.
     constexpr Index CH = detail::compose_chunk<T>;
     T* scratch = ws.local(w, local_compose, detail::compose_scratch<T>(M, R));  // sized by reserve_compose
-    // The static term I + P: in the kernels, when they hold the group's heads
-    // in registers (the tile is then read once and written once) or on
-    // single-row tiles (decoding), where a GEMM would pack (and for long
-    // caches heap-allocate) more than the M² multiply-adds per key it saves;
-    // else one mix_heads GEMM over the group's tile first.
-    const bool static_loop = sw && (rows == 1 || detail::compose_holds_heads(M)), static_gemm = sw && !static_loop;
+    const bool static_loop = sw && static_in_kernels(rows), static_gemm = sw && !static_loop;
     const T identity = sw ? T(0) : T(1);  // with a static term, I is part of its weights
 
     // Visible columns [lo, hi) of tile row r.
@@ -433,14 +437,14 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
     };
 
     for (Index g = 0; g < G; ++g) {
-      T* zg = in.data() + g * M * plane;
-      T* og = out.data() + g * M * plane;
+      T* zg = tile.data() + g * M * plane;
       const Matrix<T>* mix = sw ? &static_mix_[st][static_cast<std::size_t>(g)] : nullptr;
-      if (static_gemm) mix_heads(*mix, in.like(zg, M), out.like(og, M));
+      T* term = static_gemm ? ws.local(w, local_static_term, M * plane) : nullptr;  // sized by reserve_compose
+      if (static_gemm) mix_heads(*mix, tile.like(zg, M), tile.like(term, M));
       for (Index r = 0; r < rows; ++r) {
         const auto [lo, hi] = visible(r);
         for (Index n = 0; n < M; ++n) {
-          T* o = og + n * plane + r * cols;
+          T* o = zg + n * plane + r * cols;
           std::fill(o, o + lo, T(0));
           std::fill(o + hi, o + cols, T(0));
         }
@@ -459,8 +463,9 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
             hi = std::min(hi, c1);
             if (lo >= hi) continue;
             const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
-            const detail::ComposeSegment<T, Stored> segment{zg + r * cols + lo, og + r * cols + lo, plane, qf,
-                                                            kfg ? kfg + lo : nullptr, rs, mix, M, R, static_loop, sw,
+            const Index at = r * cols + lo;
+            const detail::ComposeSegment<T, Stored> segment{zg + at, zg + at, plane, qf, kfg ? kfg + lo : nullptr,
+                                                            rs, mix, M, R, static_loop, term ? term + at : nullptr,
                                                             identity, scratch};
             detail::compose_segment(segment, hi - lo);
           }

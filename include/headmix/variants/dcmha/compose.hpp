@@ -27,6 +27,8 @@ namespace headmix::detail {
 
 /// One row segment's operands. The key-wise factors are stored as T or, from
 /// a bfloat16 cache, as bfloat16 bits (K = std::uint16_t), widened as read.
+/// `z` and `o` may be the same values (the layer composes in place): every
+/// kernel reads a column's heads before it writes any of them.
 template <class T, class K = T>
 struct ComposeSegment {
   const T* z;           ///< head m's values at z + m·plane
@@ -37,8 +39,8 @@ struct ComposeSegment {
   Index rs;
   const Matrix<T>* mix; ///< (I + P)ᵀ of the group, when static_loop
   Index M, R;
-  bool static_loop;     ///< apply I + P here (else it is absent, or already in `o`: accumulate)
-  bool accumulate;      ///< `o` already holds the static GEMM's (I + P) term
+  bool static_loop;     ///< apply I + P here (else it is absent, or a GEMM's, in `base`)
+  const T* base;        ///< head n's static GEMM term, (I + P) applied, to add at base + n·plane; or null
   T identity;           ///< 1, or 0 when I is part of the static term
   T* scratch;           ///< compose_scratch<T>(M, R) values
 
@@ -47,6 +49,7 @@ struct ComposeSegment {
     ComposeSegment s = *this;
     s.z += x, s.o += x;
     if (s.kf) s.kf += x;
+    if (s.base) s.base += x;
     return s;
   }
 };
@@ -115,7 +118,7 @@ Index compose_lines(const ComposeSegment<T, K>& s, Index len) {
   const T* const qf = s.qf;
   T* const scratch = s.scratch;
   const T* const mix = s.static_loop ? s.mix->data() : nullptr;  // (I + P)ᵀ: row n holds what head n takes
-  const bool accumulate = s.accumulate;
+  const T* const base = s.base;
   const T identity = s.identity;
   Line held[M_ > 0 ? M_ : 1];
   auto keep = [&](Index m, const Line& v) {
@@ -149,8 +152,8 @@ Index compose_lines(const ComposeSegment<T, K>& s, Index len) {
         on = diag * head(n);
       if (mix) {
         for (Index m = 0; m < M; ++m) on += mix[n * M + m] * head(m);
-      } else if (accumulate) {
-        on += CLine(o + n * plane);
+      } else if (base) {
+        on += CLine(base + x + n * plane);
       }
       for (int i = 0; i < R_; ++i) {
         if constexpr (QW) on += qf[RM + i * M + n] * qa[i];
@@ -190,7 +193,7 @@ void compose_generic(const ComposeSegment<T, K>& s, Index len) {
   using CArr = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
   constexpr Index CH = compose_chunk<T>;
   const Index M = s.M, R = s.R, RM = R * M;
-  const bool qw = s.qf != nullptr, kw = s.kf != nullptr, sw = s.static_loop || s.accumulate;
+  const bool qw = s.qf != nullptr, kw = s.kf != nullptr, sw = s.static_loop || s.base;
   T* zbuf = s.scratch;
   T* acc = zbuf + M * CH;  // a_i at acc + i·CH (query-wise), b_i at acc + (R + i)·CH (key-wise)
   T* wide = acc + 2 * R * CH;
@@ -231,6 +234,8 @@ void compose_generic(const ComposeSegment<T, K>& s, Index len) {
       if (s.static_loop) {
         on = (*s.mix)(n, 0) * CArr(zbuf, n_cols);
         for (Index m = 1; m < M; ++m) on += (*s.mix)(n, m) * CArr(zbuf + m * CH, n_cols);
+      } else if (s.base) {
+        on = CArr(s.base + x0 + n * s.plane, n_cols);
       }
       const T diag = s.identity + (qw ? s.qf[2 * RM + n] : T(0));
       if (kw) {
