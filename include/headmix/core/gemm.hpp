@@ -93,16 +93,16 @@ void xsmm_gemm(Index m, Index n, Index k, const T* a, Index lda, BTile b_tile, T
           kernels[key] = xsmm_kernel<T>(mi, nj, kp, ldb, lda, ldc, acc, next_b != nullptr), looked_up[key] = true;
         const T* at = a + j0 * lda + p0;
         T* ct = c + j0 * ldc + i0;
-        if (kernels[key] && next_b) {
-          const T* after = p0 + kGemmTileK < k   ? b_tile(p0 + kGemmTileK, i0).first
-                           : i0 + kGemmTileM < n ? b_tile(0, i0 + kGemmTileM).first
-                           : j0 + kGemmTileN < m ? b_tile(0, 0).first
-                                                 : next_b;  // the loops' next tile, or the next product's
-          kernels[key](bt, at, ct, after, at, ct);
-          continue;
-        }
         if (kernels[key]) {
-          kernels[key](bt, at, ct);
+          if (next_b) {
+            const T* after = p0 + kGemmTileK < k   ? b_tile(p0 + kGemmTileK, i0).first
+                             : i0 + kGemmTileM < n ? b_tile(0, i0 + kGemmTileM).first
+                             : j0 + kGemmTileN < m ? b_tile(0, 0).first
+                                                   : next_b;  // the loops' next tile, or the next product's
+            kernels[key](bt, at, ct, after, at, ct);
+          } else {
+            kernels[key](bt, at, ct);
+          }
           continue;
         }
         StridedMap<T> cm(ct, nj, mi, Eigen::OuterStride<>(ldc));
