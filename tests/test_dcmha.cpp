@@ -915,7 +915,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
               kf_half[i] = Eigen::bfloat16(static_cast<float>(kf[i]));
               kf[i] = static_cast<T>(static_cast<float>(kf_half[i]));  // the values the kernels must read
             }
-          const std::vector<T> before = random(M * plane);
+          const std::vector<T> term = random(M * plane);  // a static GEMM's output, for gemm_term
           headmix::Matrix<T> mix(M, M);
           for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
           const T identity = static_loop || gemm_term ? T(0) : T(1);
@@ -931,7 +931,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
               if (static_loop)
                 for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
               else if (gemm_term)
-                o = before[n * plane + x];
+                o = term[n * plane + x];
               double diag = identity + (qw ? qf[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
               o += diag * zm(n);
               for (Index i = 0; i < R; ++i) {
@@ -957,7 +957,7 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
               const headmix::detail::ComposeSegment<T, Stored> s{in_place ? out.data() : z.data(), out.data(), plane,
                                                                  qw ? qf.data() : nullptr,
                                                                  kw ? kf_stored : nullptr, rs, &mix, M, R,
-                                                                 static_loop, gemm_term ? before.data() : nullptr,
+                                                                 static_loop, gemm_term ? term.data() : nullptr,
                                                                  identity, scratch.data()};
               headmix::detail::compose_segment(s, len, generic_only);
             };
