@@ -932,10 +932,11 @@ struct Dcmha : VariantBase {
     return s;
   }
   static std::vector<Shape> workspace_shapes() {
-    std::vector<Shape> s(3);
+    std::vector<Shape> s(4);
     s[0].T = 20, s[0].H = 8, s[0].G = 2;
     s[1].T = 5, s[1].B = 1;
     s[2].T = 13, s[2].static_w = true, s[2].window = 3;
+    s[3].T = 20, s[3].H = 6, s[3].static_w = true;  // 6 heads a group: the static term as a GEMM, into scratch
     return s;
   }
   static Shape probs_shape() {
