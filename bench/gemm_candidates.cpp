@@ -50,7 +50,8 @@
 #include <blis.h>
 #endif
 #ifdef HEADMIX_GEMM_XSMM
-#include <libxsmm.h>
+#define HEADMIX_USE_LIBXSMM  // for the k slice headmix's gemm() takes (gemm_k_slice)
+#include "headmix/core/gemm.hpp"
 #endif
 
 namespace {
@@ -158,10 +159,10 @@ void blis_gemm(const GemmArgs& g) {
 // only B [k x n]; the sweeps hand it K_h^T packed once per head (scores)
 // and W^T prepared at setup in 64-column panels (projections: weights are
 // constant, and headmix's Linear::prepare lays them out so when a layer is
-// built). Tiles: 64 x 64 of C^T, k in slices of 256
-// (beta 0 for the first slice, 1 after), each a JIT kernel from libxsmm's
-// registry.
-constexpr Index kXsmmTileM = kPanelCols, kXsmmTileN = 64, kXsmmTileK = 256;
+// built). Tiles: 64 x 64 of C^T, k in headmix's slices (64 for AVX2
+// kernels, 256 for AVX-512: headmix::detail::gemm_k_slice), beta 0 for the
+// first slice, 1 after, each a JIT kernel from libxsmm's registry.
+constexpr Index kXsmmTileM = kPanelCols, kXsmmTileN = 64;
 
 libxsmm_smmfunction xsmm_kernel(Index m, Index n, Index k, Index lda, Index ldb, Index ldc, bool accumulate) {
   using Key = std::tuple<Index, Index, Index, Index, Index, Index, bool>;
@@ -187,12 +188,13 @@ void xsmm_gemm(const GemmArgs& g) {
     std::exit(2);
   }
   // Column-major view: C^T [n x m] (ld ldc) = B^T [n x k] (ld ldb) * A^T [k x m] (ld lda).
+  const Index slice = headmix::detail::gemm_k_slice();
   for (Index j0 = 0; j0 < g.m; j0 += kXsmmTileN) {
     const Index nj = std::min(kXsmmTileN, g.m - j0);
     for (Index i0 = 0; i0 < g.n; i0 += kXsmmTileM) {
       const Index mi = std::min(kXsmmTileM, g.n - i0);
-      for (Index p0 = 0; p0 < g.k; p0 += kXsmmTileK) {
-        const Index kp = std::min(kXsmmTileK, g.k - p0);
+      for (Index p0 = 0; p0 < g.k; p0 += slice) {
+        const Index kp = std::min(slice, g.k - p0);
         const Index ldb = g.b_panels ? mi : g.ldb;
         const float* bt = g.b_panels ? g.b + i0 * g.k + p0 * mi : g.b + p0 * g.ldb + i0;
         const libxsmm_smmfunction f = xsmm_kernel(mi, nj, kp, ldb, g.lda, g.ldc, p0 > 0);
@@ -524,7 +526,8 @@ std::vector<std::pair<std::string, std::string>> configuration() {
 #endif
 #ifdef HEADMIX_GEMM_XSMM
   c.push_back({"libxsmm", std::string(LIBXSMM_VERSION) + "; target " + libxsmm_get_target_arch() +
-                              "; JIT tiles 64x64, k slices of 256"});
+                              "; JIT tiles 64x64, k slices of " +
+                              std::to_string(headmix::detail::gemm_k_slice())});
 #else
   c.push_back({"libxsmm", "not built (install libxsmm-dev)"});
 #endif

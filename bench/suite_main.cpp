@@ -873,7 +873,8 @@ json make_context(const Plan& plan, const std::string& malloc_setup) {
   c["eigen"] = std::to_string(EIGEN_WORLD_VERSION) + "." + std::to_string(EIGEN_MAJOR_VERSION) + "." +
                std::to_string(EIGEN_MINOR_VERSION) + ", SIMD " + Eigen::SimdInstructionSetsInUse();
 #if defined(HEADMIX_USE_LIBXSMM)
-  c["headmix_gemm"] = std::string("libxsmm ") + LIBXSMM_VERSION + " JIT kernels, target " + libxsmm_get_target_arch();
+  c["headmix_gemm"] = std::string("libxsmm ") + LIBXSMM_VERSION + " JIT kernels, target " + libxsmm_get_target_arch() +
+                      ", k slices of " + std::to_string(headmix::detail::gemm_k_slice());
 #elif defined(EIGEN_USE_BLAS)
   c["headmix_gemm"] = "OpenBLAS through EIGEN_USE_BLAS (1 thread)";
 #else

@@ -57,7 +57,7 @@ void expect_close(const C& got, const Matrix<double>& want, Index k) {
 struct Dims {
   Index m, n, k;
 };
-// Edge tiles in every dimension, k over one 256-wide slice, one-row and
+// Edge tiles in every dimension, k over several slices (64 or 256), one-row and
 // one-column products (a decoding step's shapes).
 const Dims kShapes[] = {{1, 1, 1},   {3, 70, 5},    {64, 64, 64}, {65, 129, 257}, {130, 64, 600},
                         {1, 300, 64}, {64, 1, 1024}, {7, 5, 513},  {200, 33, 3}};

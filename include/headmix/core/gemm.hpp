@@ -9,8 +9,9 @@
 // is laid out once per call (DotProductStages::packed) and Wᵀ once when a
 // layer is built (PackedMatrix, Linear::prepare), both in Panels.
 //
-// Tiles of C and slices of k are fixed by the shapes alone, never by a
-// thread count or an address, so a product is bit-identical wherever it runs.
+// Tiles of C and slices of k are fixed by the shapes (and, once per
+// process, the kernels' instruction set), never by a thread count or an
+// address, so a product is bit-identical wherever it runs.
 #pragma once
 
 #include "headmix/core/types.hpp"
@@ -37,11 +38,24 @@ inline constexpr const char* gemm_backend() {
 namespace detail {
 
 // libxsmm computes C^T = B^T·A^T in column-major terms: the row-major
-// buffers as they stand. Tiles of 64 x 64 of C^T with k in slices of 256
-// stay in L1/L2 and are where the candidates bench found libxsmm's rate.
-constexpr Index kGemmTileM = 64, kGemmTileN = 64, kGemmTileK = 256;
+// buffers as they stand. Tiles of 64 x 64 of C^T, with k in slices
+// (gemm_k_slice), stay in L1/L2 and are where the candidates bench found
+// libxsmm's rate.
+constexpr Index kGemmTileM = 64, kGemmTileN = 64;
 
 #ifdef HEADMIX_USE_LIBXSMM
+
+/// k per slice: each kernel streams a [slice, 64] tile of B, which libxsmm's
+/// AVX2 kernels read at full rate only from L1. Measured (1 thread, Wᵀ in
+/// panels, k = 768): on Zen 3 (AVX2, 32 KiB L1d) slices of 256 ran the QKV
+/// projection at 68 GFLOP/s and the readout at 70, slices of 64 at 90 and
+/// 92-94 (OpenBLAS: 90-93); AVX-512 kernels (Zen 5, Sapphire Rapids) were
+/// measured with 256. Chosen once per process by the kernels libxsmm
+/// generates, so a product's bits still depend on its shapes alone.
+inline Index gemm_k_slice() {
+  static const Index slice = (libxsmm_init(), libxsmm_get_target_archid() >= LIBXSMM_X86_AVX512) ? 256 : 64;
+  return slice;
+}
 
 template <class T>
 using XsmmKernel = std::conditional_t<std::is_same_v<T, float>, libxsmm_smmfunction, libxsmm_dmmfunction>;
@@ -52,8 +66,7 @@ using XsmmKernel = std::conditional_t<std::is_same_v<T, float>, libxsmm_smmfunct
 template <class T>
 XsmmKernel<T> xsmm_kernel(Index m, Index n, Index k, Index lda, Index ldb, Index ldc, bool accumulate,
                           bool prefetch) {
-  static const bool initialised = (libxsmm_init(), true);  // once, thread-safe
-  (void)initialised;
+  (void)gemm_k_slice();  // libxsmm_init, once, thread-safe
   const libxsmm_blasint im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
   const T alpha = 1, beta = accumulate ? 1 : 0;
   const int flags = LIBXSMM_GEMM_FLAG_NONE;
@@ -80,22 +93,23 @@ void xsmm_gemm(Index m, Index n, Index k, const T* a, Index lda, BTile b_tile, T
   // so every use of a kernel has the stride it was made for.
   std::array<XsmmKernel<T>, 16> kernels{};
   std::array<bool, 16> looked_up{};
+  const Index slice = gemm_k_slice();
   for (Index j0 = 0; j0 < m; j0 += kGemmTileN) {
     const Index nj = std::min(kGemmTileN, m - j0);
     for (Index i0 = 0; i0 < n; i0 += kGemmTileM) {
       const Index mi = std::min(kGemmTileM, n - i0);
-      for (Index p0 = 0; p0 < k; p0 += kGemmTileK) {
-        const Index kp = std::min(kGemmTileK, k - p0);
+      for (Index p0 = 0; p0 < k; p0 += slice) {
+        const Index kp = std::min(slice, k - p0);
         const bool acc = accumulate || p0 > 0;
         const auto [bt, ldb] = b_tile(p0, i0);
-        const int key = int(mi == kGemmTileM) | int(nj == kGemmTileN) << 1 | int(kp == kGemmTileK) << 2 | int(acc) << 3;
+        const int key = int(mi == kGemmTileM) | int(nj == kGemmTileN) << 1 | int(kp == slice) << 2 | int(acc) << 3;
         if (!looked_up[key])
           kernels[key] = xsmm_kernel<T>(mi, nj, kp, ldb, lda, ldc, acc, next_b != nullptr), looked_up[key] = true;
         const T* at = a + j0 * lda + p0;
         T* ct = c + j0 * ldc + i0;
         if (kernels[key]) {
           if (next_b) {
-            const T* after = p0 + kGemmTileK < k   ? b_tile(p0 + kGemmTileK, i0).first
+            const T* after = p0 + slice < k        ? b_tile(p0 + slice, i0).first
                              : i0 + kGemmTileM < n ? b_tile(0, i0 + kGemmTileM).first
                              : j0 + kGemmTileN < m ? b_tile(0, 0).first
                                                    : next_b;  // the loops' next tile, or the next product's
