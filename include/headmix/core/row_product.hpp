@@ -67,17 +67,6 @@ inline void prefetch(const void* p, std::uintptr_t bytes) {
 #endif
 }
 
-/// sum[j] += Σ_i weights[i] · rows[i · stride + j] for j < m (M: m known
-/// when compiled, or 0 when not), each bfloat16 row widened in registers.
-template <Index M, class T>
-void add_bfloat16_rows(const T* weights, const std::uint16_t* rows, Index n, Index stride, Index m, T* sum) {
-  for (Index i = 0; i < n; ++i) {
-    const T a = weights[i];
-    const std::uint16_t* row = rows + i * stride;
-    for (Index j = 0; j < (M > 0 ? M : m); ++j) sum[j] += a * static_cast<T>(bfloat16_bits_to_float(row[j]));
-  }
-}
-
 #if defined(__AVX512BW__)
 /// accumulate_rows' float kernel for 64 columns of bfloat16 rows: the same
 /// four parts, sums and order. A 64-byte load widens by two in-lane unpacks
@@ -117,19 +106,28 @@ inline void add_bfloat16_quarters_64(const float* weights, const std::uint16_t* 
 }
 #endif
 
-}  // namespace detail
-
-/// out [1, width] (+)= weights [1, n] · rows [n, width], rows `stride`
-/// values apart: four quarters of the rows stream at once, each part
-/// [p · q, (p + 1) · q), q = n / 4 (part 0 also the last n mod 4), into
-/// sums of its own in registers (fixed-size packets: scalar arrays went to
-/// the stack, a store and reload per row), which then add as (0 + 1) + (2 + 3).
+/// 16 bfloat16 values from their bits, widened in registers (a loop of
+/// shifts, which compilers vectorise).
 template <class T>
-void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Index width, T* out, bool accumulate) {
+Eigen::Array<T, 16, 1> widened_16(const std::uint16_t* p) {
+  Eigen::Array<T, 16, 1> v;
+  for (int j = 0; j < 16; ++j) v[j] = widened<T>(p + j);
+  return v;
+}
+
+/// accumulate_rows on rows stored as T or as bfloat16 bits.
+template <class T, class Stored>
+void accumulate_rows_in_quarters(const T* weights, const Stored* rows, Index n, Index stride, Index width, T* out,
+                                 bool accumulate) {
   using Packet = Eigen::Array<T, 16, 1>;
   constexpr int kParts = 4, kPackets = 4;  // 64 columns at a time
   const Index q = n / kParts;
-  auto row = [&](Index r, Index j) { return Eigen::Map<const Packet>(rows + r * stride + j); };
+  auto row = [&](Index r, Index j) {
+    if constexpr (std::is_same_v<Stored, T>)
+      return Eigen::Map<const Packet>(rows + r * stride + j);
+    else
+      return widened_16<T>(rows + r * stride + j);
+  };
   auto finish = [&](Index j, T s0, T s1, T s2, T s3) {
     const T sum = (s0 + s1) + (s2 + s3);
     out[j] = accumulate ? out[j] + sum : sum;
@@ -157,45 +155,45 @@ void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Ind
   for (Index i = 0; i < q; ++i)
     for (int p = 0; p < kParts; ++p) {
       const T a = weights[p * q + i];
-      const T* r = rows + (p * q + i) * stride + j0;
-      for (Index j = 0; j < m; ++j) sums[p][j] += a * r[j];
+      const Stored* r = rows + (p * q + i) * stride + j0;
+      for (Index j = 0; j < m; ++j) sums[p][j] += a * widened<T>(r + j);
     }
   for (Index r = kParts * q; r < n; ++r)
-    for (Index j = 0; j < m; ++j) sums[0][j] += weights[r] * rows[r * stride + j0 + j];
+    for (Index j = 0; j < m; ++j) sums[0][j] += weights[r] * widened<T>(rows + r * stride + j0 + j);
   for (Index j = 0; j < m; ++j) finish(j0 + j, sums[0][j], sums[1][j], sums[2][j], sums[3][j]);
+}
+}  // namespace detail
+
+/// out [1, width] (+)= weights [1, n] · rows [n, width], rows `stride`
+/// values apart: four quarters of the rows stream at once, each part
+/// [p · q, (p + 1) · q), q = n / 4 (part 0 also the last n mod 4), into
+/// sums of its own in registers (fixed-size packets: scalar arrays went to
+/// the stack, a store and reload per row), which then add as (0 + 1) + (2 + 3).
+template <class T>
+void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Index width, T* out, bool accumulate) {
+  detail::accumulate_rows_in_quarters(weights, rows, n, stride, width, out, accumulate);
 }
 
 /// The same from bfloat16 rows, half the bytes, each row widened in
 /// registers as it streams past (widening a block first would write and
-/// reread it), 64 columns at a time. With AVX-512BW, float sums over a
-/// full chunk take the float kernel's four quarters
-/// (detail::add_bfloat16_quarters_64: a bfloat16 MHA step took 0.92x
-/// the time of one pass, Zen 5); otherwise one pass. A full chunk keeps
-/// its sums in registers (a fixed trip count); a variable one kept them on
-/// the stack (the step ran ~4% slower).
+/// reread it), in the same four quarters. With AVX-512BW, float sums over
+/// full 64-column chunks take detail::add_bfloat16_quarters_64 (half the
+/// instructions). The quarters replaced one pass over the rows: on Zen 3
+/// (AVX2) one stream kept too few reads in flight, and an MHA step over a
+/// bfloat16 cache took 0.91x its time in quarters (0.79x with bfloat16
+/// weights, whose one-row projections stream here too); with AVX-512
+/// (Zen 5) the AVX-512 kernel took 0.92x the time of one pass.
 template <class T>
 void accumulate_rows(const T* weights, const Eigen::bfloat16* rows, Index n, Index stride, Index width, T* out,
                      bool accumulate) {
-  constexpr Index kChunk = 64;
   const std::uint16_t* bits = bfloat16_bits(rows);
-  for (Index j0 = 0; j0 < width; j0 += kChunk) {
-    const Index m = std::min(kChunk, width - j0);
+  Index j0 = 0;
 #if defined(__AVX512BW__)
-    if constexpr (std::is_same_v<T, float>) {
-      if (m == kChunk) {
-        detail::add_bfloat16_quarters_64(weights, bits + j0, n, stride, out + j0, accumulate);
-        continue;
-      }
-    }
+  if constexpr (std::is_same_v<T, float>)
+    for (; j0 + 64 <= width; j0 += 64)
+      detail::add_bfloat16_quarters_64(weights, bits + j0, n, stride, out + j0, accumulate);
 #endif
-    T sum[kChunk];
-    for (Index j = 0; j < m; ++j) sum[j] = accumulate ? out[j0 + j] : T(0);
-    if (m == kChunk)
-      detail::add_bfloat16_rows<kChunk>(weights, bits + j0, n, stride, m, sum);
-    else
-      detail::add_bfloat16_rows<0>(weights, bits + j0, n, stride, m, sum);
-    std::copy_n(sum, m, out + j0);
-  }
+  detail::accumulate_rows_in_quarters(weights, bits + j0, n, stride, width - j0, out + j0, accumulate);
 }
 
 /// The most rows of weights multiply_few_rows takes: a grouped-query
