@@ -180,7 +180,7 @@ void accumulate_rows(const T* weights, const T* rows, Index n, Index stride, Ind
 /// full 64-column chunks take detail::add_bfloat16_quarters_64 (half the
 /// instructions). The quarters replaced one pass over the rows: on Zen 3
 /// (AVX2) one stream kept too few reads in flight, and an MHA step over a
-/// bfloat16 cache took 0.91x its time in quarters (0.79x with bfloat16
+/// bfloat16 cache took 0.89x its time in quarters (0.87x with bfloat16
 /// weights, whose one-row projections stream here too); with AVX-512
 /// (Zen 5) the AVX-512 kernel took 0.92x the time of one pass.
 template <class T>
