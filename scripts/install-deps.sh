@@ -1,27 +1,46 @@
 #!/bin/sh
 # Install headmix's Debian dependencies: `sh scripts/install-deps.sh test`
-# for the test build (with libxsmm, the GEMM backend), `... bench` for the
+# for the test build (clang and its sanitizer runtimes, which the test
+# preset compiles with, and libxsmm, the GEMM backend), `... bench` for the
 # benchmark suite (adds libtorch, matplotlib, BLIS, the other GEMM
 # candidate it measures, and Open MPI for the sharded layers), `... ci` for
-# everything .ci/run builds (adds clang, its sanitizer runtimes and Open
-# MPI, which the MPI tests run on). Works as root (no sudo needed) and as
-# a user with sudo; installs only what is missing.
+# everything .ci/run builds (adds Open MPI, which the MPI tests run on).
+# Works as root (no sudo needed) and as a user with sudo; installs only what
+# is missing.
 set -eu
 # libxsmm multiplies (OpenBLAS defines the BLAS symbols its static library keeps).
 base="cmake ninja-build g++ libeigen3-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev libxsmm-dev libopenblas-dev pkg-config"
 case "${1:-test}" in
-  test)  packages="$base" ;;
+  test)  packages="$base clang" ;;
   bench) packages="$base libtorch-dev python3-matplotlib libblis-dev libopenmpi-dev openmpi-bin" ;;
-  ci)    packages="$base clang libclang-rt-14-dev libopenmpi-dev openmpi-bin" ;;
+  ci)    packages="$base clang libopenmpi-dev openmpi-bin" ;;
   *) echo "usage: sh scripts/install-deps.sh [test|bench|ci]" >&2; exit 2 ;;
 esac
-missing=""
-for p in $packages; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
-done
-[ -z "$missing" ] && exit 0
 if [ "$(id -u)" -eq 0 ]; then as_root=""; else as_root="sudo"; fi
-echo "install-deps: installing$missing"
-$as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-# shellcheck disable=SC2086
-$as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+updated=""
+
+# Install those of the given packages that are missing.
+install() {
+  missing=""
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+  done
+  [ -z "$missing" ] && return 0
+  echo "install-deps: installing$missing"
+  if [ -z "$updated" ]; then
+    $as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    updated=1
+  fi
+  # shellcheck disable=SC2086
+  $as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing
+}
+
+install $packages
+# clang's sanitizer runtimes: Debian 12 packages them apart from clang
+# (libclang-rt-<major>-dev), other releases with it.
+case " $packages " in
+  *" clang "*)
+    if [ ! -f "$(clang -print-file-name="libclang_rt.asan-$(uname -m).a")" ]; then
+      install "libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev"
+    fi ;;
+esac

@@ -96,6 +96,20 @@ TEST(SoftmaxExp, EdgesOfTheRange) {
   EXPECT_NEAR(y[0], std::exp(-1.0), 2e-7);
 }
 
+TEST(SoftmaxExp, PlusInfinityGivesNaNInLanesAndInScalarCode) {
+  // Outside the domain, but an infinite score in a query row reaches it: the
+  // row's output is then NaN, wherever the value falls (clang's UBSan caught
+  // the scalar form converting an infinite exponent to int).
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isnan(detail::SoftmaxExp{}(inf)));
+  Eigen::ArrayXf x = Eigen::ArrayXf::Constant(33, -1.0f);
+  x[3] = x[32] = inf;  // in a packet and in the scalar tail
+  const Eigen::ArrayXf y = softmax_exp(x);
+  EXPECT_TRUE(std::isnan(y[3]));
+  EXPECT_TRUE(std::isnan(y[32]));
+  EXPECT_NEAR(y[0], std::exp(-1.0), 2e-7);
+}
+
 TEST(SoftmaxExp, DoubleIsEigensExp) {
   const Eigen::ArrayXd x = -Eigen::ArrayXd::LinSpaced(101, 0.0, 700.0);
   const Eigen::ArrayXd got = softmax_exp(x), want = x.exp();

@@ -465,6 +465,8 @@ TEST(SequenceParallelBytes, CommBytesByHand) {
 
 // The error tests' call: a sequence-parallel layer, case `c`'s input (from
 // `seed`), this rank's shard of it and a buffer for this rank's output rows.
+// A test binds its members by name, and its lambdas name them through the
+// call: C++17 lets no lambda capture a structured binding (clang rejects it).
 template <template <class> class Layer>
 struct ShardedCall {
   const SequenceParallel<Layer, double> sharded;
@@ -502,7 +504,7 @@ TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
   auto bad = in.mine(shard);
   if (me == last) bad.query = longer.batch();
   expect_error_everywhere(
-      "shape_error", last, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      "shape_error", last, [&] { call.sharded.forward(bad, call.in.length, call.out.batch(), call.ws); },
       {"[sequence-parallel mha] input.query", "this rank's " + std::to_string(split.rows(last)) + " of " +
                                                   std::to_string(in.length) + " positions"});
 
@@ -511,32 +513,36 @@ TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
   bad = in.mine(shard);
   if (me == 0) bad.key_padding = {short_padding.data(), kBatch, split.rows(0)};
   expect_error_everywhere(
-      "shape_error", 0, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      "shape_error", 0, [&] { call.sharded.forward(bad, call.in.length, call.out.batch(), call.ws); },
       {"input.key_padding_mask (the whole sequence's)", std::to_string(in.length)});
 
   // The last rank passes a key sequence.
   bad = in.mine(shard);
   if (me == last) bad.key = in.x.batch();
   expect_error_everywhere(
-      "shape_error", last, [&] { sharded.forward(bad, in.length, out.batch(), ws); }, {"input.key", "gathered"});
+      "shape_error", last, [&] { call.sharded.forward(bad, call.in.length, call.out.batch(), call.ws); },
+      {"input.key", "gathered"});
 
   // Rank 0's output is one column narrow.
   Tensor<double> narrow({kBatch, split.rows(me), kOut - 1});
   expect_error_everywhere(
       "shape_error", 0,
-      [&] { sharded.forward(in.mine(shard), in.length, (me == 0 ? narrow : out).batch(), ws); },
+      [&] {
+        call.sharded.forward(call.in.mine(call.shard), call.in.length, (me == 0 ? narrow : call.out).batch(), call.ws);
+      },
       {"[sequence-parallel mha] output"});
 
   // A length of 0 on every rank.
   expect_error_everywhere(
-      "shape_error", -1, [&] { sharded.forward(in.mine(shard), 0, out.batch(), ws); }, {"length", ">= 1"});
+      "shape_error", -1, [&] { call.sharded.forward(call.in.mine(call.shard), 0, call.out.batch(), call.ws); },
+      {"length", ">= 1"});
 
   // Valid on each rank, but only rank 0 passes padding: the others would
   // mask differently.
   bad = in.mine(shard);
   if (me != 0) bad.key_padding = {};
   expect_error_everywhere(
-      "shape_error", -1, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      "shape_error", -1, [&] { call.sharded.forward(bad, call.in.length, call.out.batch(), call.ws); },
       {"arguments across ranks", "key padding from 0 to 1"});
 
   // Valid on each rank, but the last rank passes one sequence fewer: the
@@ -545,7 +551,8 @@ TEST(SequenceParallelErrors, BadShardOnOneRankThrowsOnEveryRank) {
   Tensor<double> fewer({kBatch - 1, split.rows(me), kOut});
   if (me == last) bad = {{shard.data(), kBatch - 1, split.rows(me), kWidth}, {}, {in.padding.data(), kBatch - 1, in.length}};
   expect_error_everywhere(
-      "shape_error", -1, [&] { sharded.forward(bad, in.length, (me == last ? fewer : out).batch(), ws); },
+      "shape_error", -1,
+      [&] { call.sharded.forward(bad, call.in.length, (me == last ? fewer : call.out).batch(), call.ws); },
       {"batch from " + std::to_string(kBatch - 1) + " to " + std::to_string(kBatch)});
 
   // The last rank's sequence is P positions longer.
@@ -619,7 +626,7 @@ TEST(SequenceParallelErrors, DcmhaBadInputThrowsOnEveryRank) {
   auto bad = in.mine(shard);
   if (me == last) bad.query = narrow_shard.batch();
   expect_error_everywhere(
-      "shape_error", last, [&] { sharded.forward(bad, in.length, out.batch(), ws); },
+      "shape_error", last, [&] { call.sharded.forward(bad, call.in.length, call.out.batch(), call.ws); },
       {"[sequence-parallel dcmha] input.query"});
   // The layer still works.
   sharded.forward(in.mine(shard), in.length, out.batch(), ws);

@@ -43,7 +43,9 @@ struct SoftmaxExp {
     if (!(x >= kLowest)) return x < kLowest ? 0.0f : x;  // NaN stays NaN
     float m;
     const float mantissa = exp_reduced(x, m);
-    return std::ldexp(mantissa, static_cast<int>(m));
+    // m capped so that the conversion stays defined for x > 0, outside the
+    // domain: +inf (an infinite score) gives a NaN mantissa, as the packets do.
+    return std::ldexp(mantissa, static_cast<int>(std::min(m, 128.0f)));
   }
 
  private:
