@@ -36,11 +36,13 @@ install() {
 }
 
 install $packages
-# clang's sanitizer runtimes: Debian 12 packages them apart from clang
-# (libclang-rt-<major>-dev), other releases with it.
+# clang's sanitizer runtimes, which Debian 12 packages apart from clang
+# (libclang-rt-<major>-dev; other releases with it), and llvm-symbolizer,
+# through which ASan's reports name functions and lines (in llvm-<major>).
 case " $packages " in
   *" clang "*)
-    if [ ! -f "$(clang -print-file-name="libclang_rt.asan-$(uname -m).a")" ]; then
-      install "libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev"
-    fi ;;
+    major=$(clang -dumpversion | cut -d. -f1)
+    [ -f "$(clang -print-file-name="libclang_rt.asan-$(uname -m).a")" ] || install "libclang-rt-$major-dev"
+    command -v "llvm-symbolizer-$major" >/dev/null || command -v llvm-symbolizer >/dev/null || install "llvm-$major"
+    ;;
 esac
