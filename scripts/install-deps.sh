@@ -42,7 +42,7 @@ install $packages
 case " $packages " in
   *" clang "*)
     major=$(clang -dumpversion | cut -d. -f1)
-    [ -f "$(clang -print-file-name="libclang_rt.asan-$(uname -m).a")" ] || install "libclang-rt-$major-dev"
+    ls "$(clang -print-runtime-dir)"/libclang_rt.asan* >/dev/null 2>&1 || install "libclang-rt-$major-dev"
     command -v "llvm-symbolizer-$major" >/dev/null || command -v llvm-symbolizer >/dev/null || install "llvm-$major"
     ;;
 esac
