@@ -120,6 +120,13 @@ Index compose_lines(const ComposeSegment<T, K>& s, Index len) {
   const T* const mix = s.static_loop ? s.mix->data() : nullptr;  // (I + P)ᵀ: row n holds what head n takes
   const T* const base = s.base;
   const T identity = s.identity;
+  // The (2R + 1)·M key-wise rows are more streams than the hardware
+  // prefetchers follow, and a decoding step reads them from memory, so each
+  // is prefetched a few lines ahead. Measured on AVX2 (M = 16, R = 2, 8192
+  // cached keys): one compose took 0.6-0.7x its time; a step over a bfloat16
+  // cache 0.84-0.88x, over a float cache within the noise; forwards, whose
+  // rows come from L2, unchanged; 512 to 2048 bytes ahead gained no more.
+  constexpr std::uintptr_t kFactorsAhead = 256;  // bytes
   Line held[M_ > 0 ? M_ : 1];
   auto keep = [&](Index m, const Line& v) {
     if constexpr (M_ > 0) held[m] = v; else WLine(scratch + m * L) = v;
@@ -137,6 +144,13 @@ Index compose_lines(const ComposeSegment<T, K>& s, Index len) {
     for (Index m = 0; m < M; ++m) {
       const Line zm = CLine(z + m * plane);
       keep(m, zm);
+      if constexpr (KW) {
+        for (int i = 0; i < R_; ++i) {
+          prefetch(kf + (i * M + m) * rs, kFactorsAhead);
+          prefetch(kf + (RM + i * M + m) * rs, kFactorsAhead);
+        }
+        prefetch(kf + (2 * RM + m) * rs, kFactorsAhead);
+      }
       for (int i = 0; i < R_; ++i) {
         if constexpr (QW) qa[i] += qf[i * M + m] * zm;
         if constexpr (KW) kb[i] += coefficients(kf + (i * M + m) * rs) * zm;
