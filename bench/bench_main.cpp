@@ -26,11 +26,11 @@
 #define HEADMIX_BENCH_COUNTS_ALLOCATIONS 1
 #endif
 
+#ifdef HEADMIX_BENCH_COUNTS_ALLOCATIONS
 namespace {
 std::atomic<long> g_heap_allocations{0};
 }
 
-#ifdef HEADMIX_BENCH_COUNTS_ALLOCATIONS
 extern "C" {
 void* __libc_malloc(std::size_t);
 void* __libc_calloc(std::size_t, std::size_t);

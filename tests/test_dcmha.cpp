@@ -46,7 +46,7 @@ using namespace dcmha_case;  // Config/Problem/run/expect_matches_reference and 
 template <class T>
 using DcmhaTest = ScalarTest<T>;
 using Scalars = ::testing::Types<double, float>;
-TYPED_TEST_SUITE(DcmhaTest, Scalars);
+TYPED_TEST_SUITE(DcmhaTest, Scalars, ScalarName);
 
 // ---------------------------------------------------------------------------
 // Forward against the reference
@@ -886,7 +886,7 @@ namespace {
 
 template <class T>
 using DcmhaComposeKernels = ScalarTest<T>;
-TYPED_TEST_SUITE(DcmhaComposeKernels, Scalars);
+TYPED_TEST_SUITE(DcmhaComposeKernels, Scalars, ScalarName);
 
 TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
   using T = TypeParam;

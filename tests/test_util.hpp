@@ -123,10 +123,19 @@ using Rng = std::mt19937;
 template <class T>
 class ScalarTest : public ::testing::Test {};
 using FloatAndDouble = ::testing::Types<float, double>;
+/// Names typed tests by scalar ("float", "double") instead of 0, 1. (Every
+/// TYPED_TEST_SUITE passes a name generator: clang warns when its optional
+/// argument is left out.)
+struct ScalarName {
+  template <class T>
+  static std::string GetName(int) {
+    return std::is_same_v<T, float> ? "float" : std::is_same_v<T, double> ? "double" : "other";
+  }
+};
 #define HEADMIX_TYPED_OVER_SCALARS(Name)       \
   template <class T>                           \
   using Name = ::headmix_test::ScalarTest<T>; \
-  TYPED_TEST_SUITE(Name, ::headmix_test::FloatAndDouble)
+  TYPED_TEST_SUITE(Name, ::headmix_test::FloatAndDouble, ::headmix_test::ScalarName)
 
 // One draw from U[lo, hi).
 template <class G>

@@ -228,8 +228,8 @@ class HeadParallelMhaTest : public ::testing::Test {};
 template <class T>
 class HeadParallelDcmhaTest : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(HeadParallelMhaTest, Scalars);
-TYPED_TEST_SUITE(HeadParallelDcmhaTest, Scalars);
+TYPED_TEST_SUITE(HeadParallelMhaTest, Scalars, ScalarName);
+TYPED_TEST_SUITE(HeadParallelDcmhaTest, Scalars, ScalarName);
 
 TYPED_TEST(HeadParallelMhaTest, ForwardEqualsOneProcess) {
   using T = TypeParam;

@@ -112,7 +112,7 @@ void for_each_case(unsigned seed, Check check) {
 template <class T>
 class HeadParallelCollabTest : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double>;
-TYPED_TEST_SUITE(HeadParallelCollabTest, Scalars);
+TYPED_TEST_SUITE(HeadParallelCollabTest, Scalars, ScalarName);
 
 TYPED_TEST(HeadParallelCollabTest, ForwardEqualsOneProcess) {
   using T = TypeParam;
@@ -365,7 +365,7 @@ void for_each_lsh_case(unsigned seed, Check check) {
 
 template <class T>
 class HeadParallelLshTest : public ::testing::Test {};
-TYPED_TEST_SUITE(HeadParallelLshTest, Scalars);
+TYPED_TEST_SUITE(HeadParallelLshTest, Scalars, ScalarName);
 
 TYPED_TEST(HeadParallelLshTest, ForwardEqualsOneProcess) {
   using T = TypeParam;

@@ -323,9 +323,8 @@ inline RefDcmhaResult dcmha_reference(const RefDcmhaWeights& w, const RefDcmhaOp
           }
           ctx[static_cast<std::size_t>(t) * H * dv + h * dv + e] = acc;
         }
-    const std::vector<double> y =
-        w.out == 0 ? ctx : dcmha_detail::linear(ctx, T, H * dv, w.wo, w.bo, out_dim, res.projection_macs);
-    std::copy(y.begin(), y.end(), res.output.begin() + static_cast<std::ptrdiff_t>(b) * T * out_dim);
+    if (w.out != 0) ctx = dcmha_detail::linear(ctx, T, H * dv, w.wo, w.bo, out_dim, res.projection_macs);
+    std::copy(ctx.begin(), ctx.end(), res.output.begin() + static_cast<std::ptrdiff_t>(b) * T * out_dim);
   }
   return res;
 }
