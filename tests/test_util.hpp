@@ -129,7 +129,8 @@ using FloatAndDouble = ::testing::Types<float, double>;
 struct ScalarName {
   template <class T>
   static std::string GetName(int) {
-    return std::is_same_v<T, float> ? "float" : std::is_same_v<T, double> ? "double" : "other";
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "a suite typed over float and double");
+    return std::is_same_v<T, float> ? "float" : "double";
   }
 };
 #define HEADMIX_TYPED_OVER_SCALARS(Name)       \
