@@ -625,6 +625,42 @@ TEST(MhaDecoding, KeyRowsAreAnOddNumberOfStoredLinesApart) {
     }
 }
 
+// A K stream in panels (KeyLayout::panels, CollabHead's) stores position p
+// of row r at p0·dim + r·width + (p - p0), p0 = 64·⌊p / 64⌋, width the
+// panel's (the last one narrower): Panels' layout of the [dim, capacity]
+// keys, whatever chunks the positions arrive in. A layer asking for the
+// other layout is refused by name.
+TEST(SequenceCacheLayout, KeysInPanelsLieAsPanelsLayThemOut) {
+  const Index B = 2, cap = 150, dim = 3;
+  SequenceCache<double> cache(B, cap);
+  cache.bind("test", {dim, 1}, {1, 1}, 2, 0, headmix::KeyLayout::panels);
+  EXPECT_EQ(cache.key_layout(), headmix::KeyLayout::panels);
+  auto key = [](Index b, Index p, Index r) { return double(1000 * b + 10 * p + r); };
+  for (Index b = 0; b < B; ++b)
+    for (auto [at, n] : {std::pair<Index, Index>{0, 60}, {60, 5}, {65, 1}, {66, 84}}) {  // across 64 and 128
+      headmix::Matrix<double> rows(n, dim);
+      for (Index i = 0; i < n; ++i)
+        for (Index r = 0; r < dim; ++r) rows(i, r) = key(b, at + i, r);
+      cache.write(0, b, at, rows);
+    }
+  EXPECT_EQ(cache.stream(0).size(), B * cap * dim);
+  for (Index b = 0; b < B; ++b) {
+    const double* stored = cache.stream_data(0) + b * dim * cap;
+    for (Index p = 0; p < cap; ++p)
+      for (Index r = 0; r < dim; ++r) {
+        const Index p0 = p / 64 * 64, width = std::min<Index>(64, cap - p0);
+        ASSERT_EQ(stored[p0 * dim + r * width + (p - p0)], key(b, p, r)) << "item " << b << " position " << p;
+      }
+    headmix::Matrix<double> keys_t(dim, cap), laid_out(dim, cap);
+    for (Index p = 0; p < cap; ++p)
+      for (Index r = 0; r < dim; ++r) keys_t(r, p) = key(b, p, r);
+    headmix::Panels<double>::write(keys_t, laid_out.data());
+    EXPECT_TRUE(std::equal(stored, stored + dim * cap, laid_out.data())) << "item " << b;
+  }
+  EXPECT_EQ(shape_error_message([&] { cache.bind("test", {dim, 1}, {1, 1}, 2, 0); }),
+            "[test] cache key layout: expected panels, got rows");
+}
+
 constexpr double kBf16Unit = 1.0 / 256;  // u: bfloat16 keeps 8 significant bits
 
 double round_to_bfloat16(double x) { return double(static_cast<float>(Eigen::bfloat16(static_cast<float>(x)))); }

@@ -674,19 +674,20 @@ struct CollabHead : DenseVariant {
   }
   template <class P> static bool masked_output_exact(const P& p) { return !p.s.layer_norm; }
   // test_decoding.cpp (see Mha): with and without the content bias, dense
-  // and block mixing, without o, with the LayerNorm, then windows 1 and 4.
-  // Steps read no bfloat16 K/V, so a bfloat16 cache is refused by name.
+  // and block mixing, without o, with the LayerNorm, windows 1 and 4, and
+  // 150 positions (the cache's keys in three panels). Steps read no bfloat16 K/V, so a bfloat16 cache is refused by name.
   static constexpr const char* bf16_cache_refusal =
       "[collab] cache precision: expected CachePrecision::full (this layer's steps read no bfloat16 streams), got "
       "CachePrecision::bfloat16";
   static std::vector<Shape> decoding_shapes() {
-    std::vector<Shape> s(6);
+    std::vector<Shape> s(7);
     for (Shape& e : s) e.B = 2, e.T = 13, e.D = 12, e.R = 8, e.H = 4, e.Dv = 3, e.out = 12, e.causal = true;
     for (Shape& e : s) e.block_rows = 4;
     s[1].mixing = collab_case::Mixing::block, s[1].layer_norm = true;
     s[2].content_bias = false, s[2].out_proj = false;
     for (int i : {3, 4, 5}) s[i].layer_norm = true;
     s[4].window = 1, s[5].window = 4;
+    s[6].T = 150, s[6].block_rows = 16;  // the cache's keys over three panels of 64 positions, the last narrower
     return s;
   }
   // With the content bias (its per-worker row) and the LayerNorm.

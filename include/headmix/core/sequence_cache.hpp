@@ -16,7 +16,9 @@
 // than repacking every block of K. Its rows are transposed_stride()
 // apart, the capacity padded so that they do not fall in the same cache
 // sets (a 4 KiB multiple apart, a step's dk rows would evict each other):
-// detail::odd_line_stride.
+// detail::odd_line_stride. A layer whose steps multiply many rows by K
+// (CollabHead: every head against the shared keys) stores it in Panels of
+// 64 positions instead (KeyLayout::panels), as its forward packs it.
 //
 // Half precision (CachePrecision::bfloat16): the K and V streams of the
 // dot-product layers (MHA, Talking-Heads, DCMHA), and DCMHA's key-side
@@ -31,6 +33,7 @@
 #pragma once
 
 #include "headmix/core/error.hpp"
+#include "headmix/core/gemm.hpp"
 #include "headmix/core/linear.hpp"
 #include "headmix/core/types.hpp"
 #include "headmix/core/workspace.hpp"
@@ -44,6 +47,12 @@ namespace headmix {
 
 /// How a cache stores the K and V of the dot-product layers.
 enum class CachePrecision { full, bfloat16 };
+
+/// How a cache lays out its transposed K stream (the layer chooses): each
+/// head's rows a padded capacity apart (`rows`: a one-row step streams a
+/// few rows at a time), or in Panels of 64 positions (`panels`: a step that
+/// multiplies many query rows by K runs a GEMM tile over contiguous memory).
+enum class KeyLayout { rows, panels };
 
 /// A step would write past a cache's capacity. Nothing was written.
 class cache_full_error : public std::length_error {
@@ -105,14 +114,15 @@ class SequenceCache {
   /// each splits into (stored head-major; none given: 1 per stream); a cache
   /// set up for other widths or heads, or for another layer, is an error
   /// naming both. `kv_streams`: how many leading streams are K and V (0, or
-  /// 2: K then V), K stored transposed per head (transposed()).
+  /// 2: K then V), K stored transposed per head (transposed()), laid out
+  /// as `key_layout` says.
   /// `half_streams`: how many leading streams a bfloat16 cache stores in
   /// half precision, the layer's steps reading them so: K and V (through
   /// DotProductStages) and any after them (DCMHA's key-side factors); 0 for
   /// a layer that reads none so (CollabHead). A bfloat16 cache is refused,
   /// naming why, by a layer with no K/V streams or none it reads in bfloat16.
   void bind(const char* variant, const Shape& widths, const Shape& heads = {}, std::size_t kv_streams = 0,
-            std::size_t half_streams = 2) {
+            std::size_t half_streams = 2, KeyLayout key_layout = KeyLayout::rows) {
     HEADMIX_ASSERT(kv_streams == 0 || kv_streams == 2);
     HEADMIX_ASSERT(half_streams == 0 || (half_streams >= kv_streams && half_streams <= widths.rank()));
     HEADMIX_ASSERT(heads.rank() == 0 || heads.rank() == widths.rank());
@@ -125,12 +135,13 @@ class SequenceCache {
     if (streams_.empty() && half_streams_.empty() && size_ == 0) {
       widths_ = widths;
       kv_count_ = kv_streams;
+      key_layout_ = key_layout;
       half_count_ = precision_ == CachePrecision::bfloat16 ? half_streams : 0;
       streams_.resize(widths.rank());
       half_streams_.resize(half_count_);
       for (std::size_t s = 0; s < widths.rank(); ++s) {
         heads_[s] = heads_of(s);
-        const Index size = batch_ * (transposed(s) ? transposed_stride() : capacity_) * widths[s];
+        const Index size = batch_ * extent(s) * widths[s];
         if (is_half(s))
           half_streams_[s].resize(size);
         else
@@ -141,6 +152,9 @@ class SequenceCache {
     check_shape(variant, "cache stream widths", widths, widths_);
     if (kv_streams != kv_count_)
       detail::throw_shape(variant, "cache K/V streams", std::to_string(kv_count_), std::to_string(kv_streams));
+    if (key_layout != key_layout_)
+      detail::throw_shape(variant, "cache key layout", key_layout_ == KeyLayout::rows ? "rows" : "panels",
+                          key_layout == KeyLayout::rows ? "rows" : "panels");
     for (std::size_t s = 0; s < widths.rank(); ++s)
       if (heads_of(s) != heads_[s])
         detail::throw_shape(variant, "cache stream " + std::to_string(s) + " heads", std::to_string(heads_[s]),
@@ -166,6 +180,8 @@ class SequenceCache {
   }
   /// Elements between the rows of a transposed stream's heads.
   Index transposed_stride() const { return position_stride(capacity_, is_half(0)); }
+  /// The transposed K stream's layout.
+  KeyLayout key_layout() const { return key_layout_; }
   /// Stream s of batch item b, all `capacity` rows ([capacity, width]), for
   /// a full-precision stream bound with one head.
   MatrixMap<T> stream(std::size_t s, Index b) {
@@ -173,12 +189,12 @@ class SequenceCache {
     return MatrixMap<T>(streams_[s].data() + b * capacity_ * widths_[s], capacity_, widths_[s]);
   }
   /// Head h of full-precision stream s for batch item b: [capacity, width /
-  /// heads], position p in row p whatever the layout.
+  /// heads], position p in row p whatever the layout (not one in panels).
   Eigen::Map<Matrix<T>, 0, Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>> head(std::size_t s, Index b, Index h) {
-    HEADMIX_ASSERT(!is_half(s));
+    HEADMIX_ASSERT(!is_half(s) && !in_panels(s));
     const Index dim = widths_[s] / heads_[s];
     using Strides = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-    const Index rows = transposed(s) ? transposed_stride() : capacity_;
+    const Index rows = extent(s);
     return {streams_[s].data() + (b * heads_[s] + h) * rows * dim, capacity_, dim,
             transposed(s) ? Strides(1, rows) : Strides(dim, 1)};
   }
@@ -189,25 +205,39 @@ class SequenceCache {
   void write(std::size_t s, Index b, Index at, const Rows& rows) {
     const Index dim = widths_[s] / heads_[s], n = rows.rows();
     using Strided = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-    for (Index h = 0; h < heads_[s]; ++h) {
-      const Index extent = transposed(s) ? transposed_stride() : capacity_;  // positions' span per head
-      const Index head_start = (b * heads_[s] + h) * extent * dim;
-      // Positions [at, at + n) of the head: rows, or columns when transposed.
-      const Index first = head_start + (transposed(s) ? at : at * dim);
-      const Strided strides = transposed(s) ? Strided(1, extent) : Strided(dim, 1);
+    // rows [r0, r0 + count) of head h's columns, stored from `offset` with `strides`
+    auto put = [&](Index h, Index r0, Index count, Index offset, const Strided& strides) {
       if (is_half(s))
-        Eigen::Map<Matrix<Half>, 0, Strided>(half_streams_[s].data() + first, n, dim, strides) =
-            rows.middleCols(h * dim, dim).template cast<Half>();
+        Eigen::Map<Matrix<Half>, 0, Strided>(half_streams_[s].data() + offset, count, dim, strides) =
+            rows.block(r0, h * dim, count, dim).template cast<Half>();
       else
-        Eigen::Map<Matrix<T>, 0, Strided>(streams_[s].data() + first, n, dim, strides) = rows.middleCols(h * dim, dim);
+        Eigen::Map<Matrix<T>, 0, Strided>(streams_[s].data() + offset, count, dim, strides) =
+            rows.block(r0, h * dim, count, dim);
+    };
+    constexpr Index kWidth = Panels<T>::kWidth;
+    for (Index h = 0; h < heads_[s]; ++h) {
+      const Index head_start = (b * heads_[s] + h) * extent(s) * dim;
+      if (!in_panels(s)) {  // positions [at, at + n): rows, or columns when transposed
+        put(h, 0, n, head_start + (transposed(s) ? at : at * dim),
+            transposed(s) ? Strided(1, extent(s)) : Strided(dim, 1));
+        continue;
+      }
+      // In panels, position p is column p - p0 of the panel [dim, width] at p0 = 64·⌊p / 64⌋.
+      for (Index p = at; p < at + n;) {
+        const Index p0 = p / kWidth * kWidth, width = std::min(kWidth, capacity_ - p0);
+        const Index count = std::min(at + n, p0 + width) - p;
+        put(h, p - at, count, head_start + p0 * dim + (p - p0), Strided(1, width));
+        p += count;
+      }
     }
   }
   /// Full-precision stream s for all batch items as one [batch * capacity,
   /// width] block of memory (head-major streams: in head-major order; a
-  /// transposed one: [batch * transposed_stride(), width]).
+  /// transposed one: [batch * transposed_stride(), width], or in panels
+  /// [batch * capacity, width]).
   MatrixMap<T> stream(std::size_t s) {
     HEADMIX_ASSERT(!is_half(s));
-    return MatrixMap<T>(streams_[s].data(), batch_ * (transposed(s) ? transposed_stride() : capacity_), widths_[s]);
+    return MatrixMap<T>(streams_[s].data(), batch_ * extent(s), widths_[s]);
   }
   /// Stream s's memory, laid out as stream(s), read-only: full precision
   /// (stream_data) or bfloat16 (half_stream).
@@ -228,11 +258,16 @@ class SequenceCache {
   void advance(Index n) { size_ += n; }
 
  private:
+  bool in_panels(std::size_t s) const { return transposed(s) && key_layout_ == KeyLayout::panels; }
+  /// Elements per head and per row of its width: the positions' span.
+  Index extent(std::size_t s) const { return transposed(s) && !in_panels(s) ? transposed_stride() : capacity_; }
+
   Index batch_ = 0, capacity_ = 0, size_ = 0;
   CachePrecision precision_ = CachePrecision::full;
   Shape widths_;
   std::array<Index, Shape::kMaxRank> heads_{};  ///< per stream: heads, stored head-major
   std::size_t kv_count_ = 0;                    ///< streams [0, kv_count_) are K and V (K transposed)
+  KeyLayout key_layout_ = KeyLayout::rows;      ///< the transposed K stream's layout
   std::size_t half_count_ = 0;                  ///< streams [0, half_count_) are stored in bfloat16
   std::vector<Vector<T>> streams_;              ///< the full-precision streams (empty where half)
   std::vector<Eigen::Matrix<Half, Eigen::Dynamic, 1>> half_streams_;
