@@ -675,7 +675,8 @@ struct CollabHead : DenseVariant {
   template <class P> static bool masked_output_exact(const P& p) { return !p.s.layer_norm; }
   // test_decoding.cpp (see Mha): with and without the content bias, dense
   // and block mixing, without o, with the LayerNorm, windows 1 and 4, and
-  // 150 positions (the cache's keys in three panels). Steps read no bfloat16 K/V, so a bfloat16 cache is refused by name.
+  // 150 positions (the cache's keys in three panels). Steps read no
+  // bfloat16 K/V, so a bfloat16 cache is refused by name.
   static constexpr const char* bf16_cache_refusal =
       "[collab] cache precision: expected CachePrecision::full (this layer's steps read no bfloat16 streams), got "
       "CachePrecision::bfloat16";
