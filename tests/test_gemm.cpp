@@ -195,6 +195,27 @@ TYPED_TEST(GemmTyped, PanelViewsAtAnyOffset) {
         }
 }
 
+// Columns written a few at a time (a cache's keys, position by position or
+// in chunks) land where Panels keeps them: column c of row r in the panel
+// at p0 = 64·⌊c / 64⌋, width min(64, stored - p0), at p0·rows + r·width +
+// (c - p0); columns never written keep what was there.
+TYPED_TEST(GemmTyped, PanelColumnsWrittenInChunksLieWherePanelsKeepThem) {
+  using T = TypeParam;
+  std::mt19937 rng(29);
+  const Index rows = 3, stored = 150;
+  const Matrix<T> b = random_matrix<T>(rows, stored, rng);
+  const T untouched = T(-7);
+  std::vector<T> out(rows * stored, untouched);
+  for (auto [c0, n] : {std::pair<Index, Index>{5, 59}, {64, 1}, {65, 70}, {135, 10}})  // columns [5, 145)
+    Panels<T>::write_columns(b.middleCols(c0, n), out.data(), stored, c0);
+  for (Index c = 0; c < stored; ++c)
+    for (Index r = 0; r < rows; ++r) {
+      const Index p0 = c / 64 * 64, width = std::min<Index>(64, stored - p0);
+      ASSERT_EQ(out[p0 * rows + r * width + (c - p0)], c >= 5 && c < 145 ? b(r, c) : untouched)
+          << "row " << r << " column " << c;
+    }
+}
+
 // K_hᵀ is laid out from K's strided rows (a head's columns of [keys, H·dk])
 // by register transposes of square blocks, with scalar edges: every element
 // lands where a panel of Kᵀ keeps it, at any row count and head width, and

@@ -263,9 +263,22 @@ class Panels {
   /// Lay `b` out as panels in `out` (b.size() elements).
   template <class B>
   static void write(const Eigen::MatrixBase<B>& b, T* out) {
-    for (Index i0 = 0; i0 < b.cols(); i0 += kWidth) {
-      const Index w = std::min(kWidth, b.cols() - i0);
-      MatrixMap<T>(out + i0 * b.rows(), b.rows(), w) = b.middleCols(i0, w);
+    write_columns(b, out, b.cols(), 0);
+  }
+
+  /// Write `b` as columns [c0, c0 + b.cols()) of the panels of a [b.rows(),
+  /// stored_cols] matrix at `out`, leaving its other columns alone: column
+  /// c lies in the panel at p0 = 64·⌊c / 64⌋, [rows, min(64, stored_cols -
+  /// p0)] row-major from out + p0 · rows (a decoding cache appends keys so).
+  template <class B>
+  static void write_columns(const Eigen::MatrixBase<B>& b, T* out, Index stored_cols, Index c0) {
+    const Index rows = b.rows();
+    for (Index c = c0, end = c0 + b.cols(); c < end;) {
+      const Index p0 = c / kWidth * kWidth, width = std::min(kWidth, stored_cols - p0);
+      const Index n = std::min(end, p0 + width) - c;
+      Eigen::Map<Matrix<T>, 0, Eigen::OuterStride<>>(out + p0 * rows + (c - p0), rows, n, Eigen::OuterStride<>(width)) =
+          b.middleCols(c - c0, n);
+      c += n;
     }
   }
 

@@ -203,32 +203,14 @@ class SequenceCache {
   /// layout and precision (bfloat16: rounded to nearest even).
   template <class Rows>
   void write(std::size_t s, Index b, Index at, const Rows& rows) {
-    const Index dim = widths_[s] / heads_[s], n = rows.rows();
-    using Strided = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
-    // rows [r0, r0 + count) of head h's columns, stored from `offset` with `strides`
-    auto put = [&](Index h, Index r0, Index count, Index offset, const Strided& strides) {
-      if (is_half(s))
-        Eigen::Map<Matrix<Half>, 0, Strided>(half_streams_[s].data() + offset, count, dim, strides) =
-            rows.block(r0, h * dim, count, dim).template cast<Half>();
-      else
-        Eigen::Map<Matrix<T>, 0, Strided>(streams_[s].data() + offset, count, dim, strides) =
-            rows.block(r0, h * dim, count, dim);
-    };
-    constexpr Index kWidth = Panels<T>::kWidth;
+    const Index dim = widths_[s] / heads_[s];
     for (Index h = 0; h < heads_[s]; ++h) {
+      const auto head = rows.middleCols(h * dim, dim);
       const Index head_start = (b * heads_[s] + h) * extent(s) * dim;
-      if (!in_panels(s)) {  // positions [at, at + n): rows, or columns when transposed
-        put(h, 0, n, head_start + (transposed(s) ? at : at * dim),
-            transposed(s) ? Strided(1, extent(s)) : Strided(dim, 1));
-        continue;
-      }
-      // In panels, position p is column p - p0 of the panel [dim, width] at p0 = 64·⌊p / 64⌋.
-      for (Index p = at; p < at + n;) {
-        const Index p0 = p / kWidth * kWidth, width = std::min(kWidth, capacity_ - p0);
-        const Index count = std::min(at + n, p0 + width) - p;
-        put(h, p - at, count, head_start + p0 * dim + (p - p0), Strided(1, width));
-        p += count;
-      }
+      if (is_half(s))
+        write_head(head.template cast<Half>(), half_streams_[s].data() + head_start, s, at);
+      else
+        write_head(head, streams_[s].data() + head_start, s, at);
     }
   }
   /// Full-precision stream s for all batch items as one [batch * capacity,
@@ -258,6 +240,21 @@ class SequenceCache {
   void advance(Index n) { size_ += n; }
 
  private:
+  // One head's rows `head` [n, dim] at positions [at, at + n) of its storage
+  // `to` in stream s: in panels (Panels' layout of [dim, capacity]), as
+  // columns of a transposed stream, or as rows.
+  template <class Head, class Stored>
+  void write_head(const Head& head, Stored* to, std::size_t s, Index at) {
+    using Strided = Eigen::Stride<Eigen::Dynamic, Eigen::Dynamic>;
+    const Index n = head.rows(), dim = head.cols();
+    if (in_panels(s))
+      Panels<Stored>::write_columns(head.transpose(), to, capacity_, at);
+    else if (transposed(s))
+      Eigen::Map<Matrix<Stored>, 0, Strided>(to + at, n, dim, Strided(1, extent(s))) = head;
+    else
+      Eigen::Map<Matrix<Stored>, 0, Strided>(to + at * dim, n, dim, Strided(dim, 1)) = head;
+  }
+
   bool in_panels(std::size_t s) const { return transposed(s) && key_layout_ == KeyLayout::panels; }
   /// Elements per head and per row of its width: the positions' span.
   Index extent(std::size_t s) const { return transposed(s) && !in_panels(s) ? transposed_stride() : capacity_; }
