@@ -519,12 +519,13 @@ TYPED_TEST(Decoding, HalfCacheHoldsKeysAndValuesInBfloat16OrIsRefused) {
       }
       layer.step(x.batch(), full, y.batch(), ws);
       layer.step(x.batch(), half, y.batch(), ws);
-      // K (as K_hᵀ rows, each cache's padded to lines of what it stores) and
+      // K (as K_hᵀ rows, each cache's padded to lines of what it stores, or a
+      // grouped full cache's panels) and
       // V in bfloat16; any other stream as it was or, DCMHA's key-side
       // factors, in bfloat16 as well (test_dcmha.cpp).
       const Index wk = full.stream(0).cols(), wv = full.stream(1).cols(), t = sizeof(T), h = sizeof(Eigen::bfloat16);
       EXPECT_EQ(Index(full.stream_bytes(0)) - Index(half.stream_bytes(0)),
-                B * wk * (full.transposed_stride() * t - half.transposed_stride() * h));
+                B * wk * (key_extent(full) * t - key_extent(half) * h));
       EXPECT_EQ(Index(full.stream_bytes(1)) - Index(half.stream_bytes(1)), B * 32 * wv * (t - h));
       ASSERT_EQ(half.streams(), full.streams());
       for (std::size_t s = 2; s < full.streams(); ++s) {
@@ -565,7 +566,7 @@ mha_case::Problem<T> gqa_problem(int kv_heads, int B, int T_, int D, int dk, int
 
 // The cache keeps the KV heads only: streams of Hkv·Dk and Hkv·Dv, so
 // 1/group of a standard MHA's memory. A cache bound to one grouping does
-// not serve another.
+// not serve another, nor an MHA whose K lies in rows.
 TEST(MhaDecoding, GroupedQueryCacheHoldsOnlyKvHeads) {
   const Index B = 2, cap = 6, D = 8, dk = 3, dv = 5;
   Workspace<double> ws;
@@ -579,23 +580,31 @@ TEST(MhaDecoding, GroupedQueryCacheHoldsOnlyKvHeads) {
     layer.step(x.batch(), cache, y.batch(), ws);
     EXPECT_EQ(cache.stream(0).cols(), kv_heads * dk) << kv_heads;
     EXPECT_EQ(cache.stream(1).cols(), kv_heads * dv) << kv_heads;
+    // Grouped (fewer KV heads than the 4 query heads): K in panels, the
+    // operand of the GEMM that scores a KV group's heads; else in rows.
+    const bool panels = kv_heads < 4;
+    EXPECT_EQ(cache.key_layout(), panels ? headmix::KeyLayout::panels : headmix::KeyLayout::rows) << kv_heads;
     // Head-major: head g of item b holds that head's keys (as K_gᵀ, one run
-    // per dimension) and values (one run per position); head() reads either
-    // as [capacity, dim] (checked against x Wᵀ + b in loops).
+    // per dimension, or one panel of the first 64 positions) and values
+    // (one run per position); head() reads rows as [capacity, dim]
+    // (checked against x Wᵀ + b in loops).
     const auto& w = layer.weights();
     for (Index b = 0; b < B; ++b)
       for (Index g = 0; g < kv_heads; ++g) {
-        const auto key = cache.head(0, b, g), value = cache.head(1, b, g);
-        EXPECT_EQ(key.cols(), dk);
+        const auto value = cache.head(1, b, g);
+        // Position 0, dimension c: panel 0 is [dk, cap] row-major (cap < 64).
+        auto key = [&](Index c) {
+          return panels ? cache.stream_data(0)[(b * kv_heads + g) * dk * cap + c * cap] : cache.head(0, b, g)(0, c);
+        };
         for (Index c = 0; c < dk + dv; ++c) {
           const auto& lin = c < dk ? w.k : w.v;
           const Index row = c < dk ? g * dk + c : g * dv + (c - dk);
           double expect = lin.has_bias() ? lin.bias(row) : 0.0;
           for (Index d = 0; d < D; ++d) expect += x[b * D + d] * lin.weight(row, d);
-          EXPECT_NEAR(c < dk ? key(0, c) : value(0, c - dk), expect, 1e-12) << "item " << b << " head " << g << " col " << c;
+          EXPECT_NEAR(c < dk ? key(c) : value(0, c - dk), expect, 1e-12) << "item " << b << " head " << g << " col " << c;
         }
       }
-    const Index values = B * kv_heads * (cache.transposed_stride() * dk + cap * dv);
+    const Index values = B * kv_heads * (key_extent(cache) * dk + cap * dv);
     EXPECT_EQ(cache.stream(0).size() + cache.stream(1).size(), values) << kv_heads;
     EXPECT_EQ(cache.bytes(), static_cast<std::size_t>(values) * sizeof(double)) << kv_heads;
     if (kv_heads == 2) layer.step(x.batch(), two_groups, y.batch(), ws);
@@ -603,13 +612,20 @@ TEST(MhaDecoding, GroupedQueryCacheHoldsOnlyKvHeads) {
       EXPECT_THROW(layer.step(x.batch(), two_groups, y.batch(), ws), shape_error);
     }
   }
+  // MHA of 2 heads stores streams of the same widths and heads, K in rows:
+  // refused by the layout, where it would otherwise read panels as rows.
+  const auto two_heads = gqa_problem<double>(2, B, 1, D, dk, dv, 7, 42, /*H=*/2);
+  EXPECT_EQ(shape_error_message([&] {
+              two_heads.layer().step(query_tensor<variants::Mha>(two_heads).batch(), two_groups, y.batch(), ws);
+            }),
+            "[mha] cache key layout: expected panels, got rows");
 }
 
 // A cache's K_hᵀ rows lie an odd number of lines of what it stores apart
 // (detail::odd_line_stride): before, a capacity of 1280 floats put every
 // fourth of a step's dk rows in one L1 set.
 TEST(MhaDecoding, KeyRowsAreAnOddNumberOfStoredLinesApart) {
-  const auto p = gqa_problem<float>(2, 1, 1, 8, 3, 5, 7, 42);
+  const auto p = gqa_problem<float>(4, 1, 1, 8, 3, 5, 7, 42);  // one KV head per head: K in rows
   const headmix::Mha<float> layer = p.layer();
   const Tensor<float> x = query_tensor<variants::Mha>(p);
   Workspace<float> ws;
@@ -622,6 +638,7 @@ TEST(MhaDecoding, KeyRowsAreAnOddNumberOfStoredLinesApart) {
       EXPECT_GE(bytes, cap * element + 64) << cap;
       EXPECT_EQ(bytes % 64, 0) << cap;
       EXPECT_EQ(bytes / 64 % 2, 1) << cap << (precision == CachePrecision::full ? " float" : " bfloat16");
+      EXPECT_EQ(cache.key_layout(), headmix::KeyLayout::rows);
     }
 }
 
@@ -752,9 +769,10 @@ double inf_norm(const Matrix<T>& w) {
 // and 70 (a bfloat16 readout's full 64-column chunk, and a narrower one).
 // One-token steps stack a KV group's 3, 6 or 12 heads (the few-row product
 // up to 8 rows, a GEMM past it); steps of 3, 9 and 5 tokens run a head's
-// rows as few rows and as a GEMM; 40 positions pass a 32-column chunk.
+// rows as few rows and as a GEMM; 70 positions pass 32-column chunks and,
+// in a grouped full cache, fill a 64-position panel and part of the next.
 TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
-  const Index T_ = 40;
+  const Index T_ = 70;
   const auto identity = [](double e) { return e; };
   for (auto [dk, dv] : {std::pair{3, 5}, std::pair{11, 70}})
     for (int kv_heads : {4, 2, 1}) {

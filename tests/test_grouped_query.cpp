@@ -103,8 +103,10 @@ TYPED_TEST(GroupedQuery, EqualsTheLayerWithRepeatedKeyValueHeads) {
       EXPECT_TRUE(all_close("forward", forward(grouped, x, &probs_grouped), widen(out_full), last_bits<T>()));
       EXPECT_TRUE(all_close("probs", probs_grouped, widen(probs_full), last_bits<T>()));
 
-      // The caches' memory differs by exactly the K/V rows not stored: K's
-      // (transposed) at the caches' padded stride, V's at their capacity.
+      // The caches' memory differs by exactly the K/V rows each layer stores:
+      // K's (transposed) over each cache's K extent (its padded stride in
+      // rows; its capacity in panels, as grouped MHA lays them), V's over
+      // the capacity; any other streams (DCMHA's) alike in both.
       constexpr Index kCapacity = (kLength + 15) / 16 * 16;
       headmix::SequenceCache<T> cache_grouped(kBatch, kCapacity), cache_full(kBatch, kCapacity);
       const Tensor<T> steps_full = decode(full, x, cache_full);
@@ -112,10 +114,11 @@ TYPED_TEST(GroupedQuery, EqualsTheLayerWithRepeatedKeyValueHeads) {
       EXPECT_TRUE(all_close("decode against forward", steps_full, widen(out_full), Case::tolerance()));
       const Index saved_k = expanded.k.weight.rows() - w.k.weight.rows();
       const Index saved_v = expanded.v.weight.rows() - w.v.weight.rows(), saved = saved_k + saved_v;
-      ASSERT_EQ(cache_full.transposed_stride(), cache_grouped.transposed_stride());
-      EXPECT_EQ(cache_full.bytes() - cache_grouped.bytes(),
-                static_cast<std::size_t>(kBatch * (cache_full.transposed_stride() * saved_k + kCapacity * saved_v)) *
-                    sizeof(T));
+      auto held = [&](const headmix::SequenceCache<T>& cache, const auto& weights) {
+        return static_cast<std::size_t>(kBatch * (key_extent(cache) * weights.k.weight.rows() +
+                                                  kCapacity * weights.v.weight.rows())) * sizeof(T);
+      };
+      EXPECT_EQ(cache_full.bytes() - cache_grouped.bytes(), held(cache_full, expanded) - held(cache_grouped, w));
 
       // The K/V projections' multiply-adds the grouping saves.
       EXPECT_EQ(full.flops(kBatch, kLength, kLength).macs() - grouped.flops(kBatch, kLength, kLength).macs(),

@@ -112,6 +112,13 @@ using headmix::Matrix;
 using headmix::Tensor;
 using headmix::Vector;
 
+// Values a cache's K stream holds per head and per K dimension: its
+// capacity when K lies in panels, its padded row stride when in rows.
+template <class T>
+Index key_extent(const headmix::SequenceCache<T>& cache) {
+  return cache.key_layout() == headmix::KeyLayout::panels ? cache.capacity() : cache.transposed_stride();
+}
+
 // ---------------------------------------------------------------------------
 // Random draws
 

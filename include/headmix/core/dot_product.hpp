@@ -22,7 +22,9 @@
 // heads, a few tokens) stream too, each value widened once for all of them
 // (multiply_few_rows); many (a prompt) run GEMMs, on blocks widened into
 // worker scratch just before their product; from a full cache, more than
-// one row runs a GEMM.
+// one row runs a GEMM. A full-precision cache that a grouped-query layer
+// binds keeps K_hᵀ in Panels instead (KeyLayout::panels), as packed() does:
+// its steps score a KV group's heads as one GEMM, never one row alone.
 #pragma once
 
 #include "headmix/core/gemm.hpp"
@@ -109,15 +111,18 @@ struct DotProductStages {
   }
 
   /// These stages reading K_hᵀ and V_h from streams 0 and 1 of a decoding
-  /// cache (laid out as packed() lays them out, `key_stride` = its capacity),
-  /// full or bfloat16. For a bfloat16 cache, sizes every worker's widening
+  /// cache (laid out as packed() lays them out, `key_stride` = its capacity,
+  /// K_hᵀ in rows or, full precision only, in panels), full or bfloat16.
+  /// For a bfloat16 cache, sizes every worker's widening
   /// scratch for a full cache now, outside the parallel region, so that
   /// steps allocate nothing.
   DotProductStages reading(const SequenceCache<T>& cache, Workspace<T>& ws, int threads) const {
     HEADMIX_ASSERT(cache.transposed(0));
     DotProductStages p = *this;
-    p.key_stride = cache.capacity(), p.kt_stride = cache.transposed_stride();
-    p.head_major_kv = true, p.kt_panels = false;
+    p.kt_panels = cache.key_layout() == KeyLayout::panels;
+    HEADMIX_ASSERT(!(p.kt_panels && cache.is_half(0)));  // bfloat16 K is read in rows only
+    p.key_stride = cache.capacity(), p.kt_stride = p.kt_panels ? cache.capacity() : cache.transposed_stride();
+    p.head_major_kv = true;
     p.k = p.kt = p.v = nullptr;
     if (cache.is_half(0)) {
       p.k_half = cache.half_stream(0), p.v_half = cache.half_stream(1);

@@ -121,7 +121,12 @@ class Mha : public LayerForms<Mha<T>, T> {
     check_shape(kName, "cache batch", {B}, {cache.batch()});
     check_output(kName, out, B, n, out_dim());
     const Index dk = head_dim(), dv = v_head_dim();
-    cache.bind(kName, {Hkv * dk, Hkv * dv}, {Hkv, Hkv}, 2);  // head-major: a step streams each head's run
+    // Head-major: a step streams each head's run. A grouped-query step
+    // scores a KV group's heads as one GEMM, whose tiles read K in panels
+    // as contiguous memory (0.87-0.95x the step's time over rows, float,
+    // S = 8192, Zen 3); a bfloat16 cache streams rows widened in registers.
+    const bool panels = Hkv < num_heads() && cache.precision() == CachePrecision::full;
+    cache.bind(kName, {Hkv * dk, Hkv * dv}, {Hkv, Hkv}, 2, 2, panels ? KeyLayout::panels : KeyLayout::rows);
     cache.check_room(kName, n);
     reserve_dense_tiles(ws, opt_.threads, 1, false, std::min(n, block_rows(cache.capacity())), cache.capacity(),
                         opt_.keys_per_block(), num_heads() / Hkv);
