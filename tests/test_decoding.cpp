@@ -621,6 +621,37 @@ TEST(MhaDecoding, GroupedQueryCacheHoldsOnlyKvHeads) {
             "[mha] cache key layout: expected panels, got rows");
 }
 
+// A grouped bfloat16 cache holds K in panels and widens a block of them
+// for each GEMM (for dk = 128 in double, one 64-position panel at a time),
+// while the layer with its K/V heads repeated streams K in rows; both hold
+// the same rounded keys and values, so their steps agree to the last bits,
+// one token at a time and several, with a window whose first key lies
+// inside a panel past the first.
+TEST(MhaDecoding, GroupedBfloat16KeysInPanelsAgreeWithRows) {
+  mha_case::Shape s;
+  s.B = 2, s.T = 150, s.D = 16, s.H = 4, s.Hkv = 2, s.Dk = 128, s.Dv = 5, s.out = 7, s.causal = true, s.window = 70;
+  const auto p = mha_case::make_problem<double>(s, 71);
+  const headmix::Mha<double> grouped = p.layer();
+  auto options = p.options();
+  options.num_kv_heads = 0;
+  const headmix::Mha<double> expanded(with_repeated_kv(p.w, s.H, s.H, s.Hkv, s.Dk, s.Dv), options);
+  const Tensor<double> x = query_tensor<variants::Mha>(p);
+  {
+    SequenceCache<double> cache(s.B, s.T, CachePrecision::bfloat16);
+    Workspace<double> ws;
+    Tensor<double> y({s.B, 1, s.out});
+    grouped.step(slice(x, 0, 1).batch(), cache, y.batch(), ws);
+    EXPECT_EQ(cache.key_layout(), headmix::KeyLayout::panels);
+    EXPECT_TRUE(cache.is_half(0));
+  }
+  for (const std::vector<Index>& chunks : {std::vector<Index>{1}, std::vector<Index>{3, 9, 5}}) {
+    const Tensor<double> got = decode(grouped, x, chunks, 0, CachePrecision::bfloat16).out;
+    const Tensor<double> want = decode(expanded, x, chunks, 0, CachePrecision::bfloat16).out;
+    const std::string what = "first step " + std::to_string(chunks[0]);
+    EXPECT_TRUE(all_close(what.c_str(), got, widen(want), Tolerance{1e-13, 1e-13}));
+  }
+}
+
 // A cache's K_hᵀ rows lie an odd number of lines of what it stores apart
 // (detail::odd_line_stride): before, a capacity of 1280 floats put every
 // fourth of a step's dk rows in one L1 set.

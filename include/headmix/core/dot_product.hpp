@@ -22,9 +22,10 @@
 // heads, a few tokens) stream too, each value widened once for all of them
 // (multiply_few_rows); many (a prompt) run GEMMs, on blocks widened into
 // worker scratch just before their product; from a full cache, more than
-// one row runs a GEMM. A full-precision cache that a grouped-query layer
-// binds keeps K_hᵀ in Panels instead (KeyLayout::panels), as packed() does:
-// its steps score a KV group's heads as one GEMM, never one row alone.
+// one row runs a GEMM. A cache that a grouped-query layer binds keeps K_hᵀ
+// in Panels instead (KeyLayout::panels), as packed() does: its steps score
+// a KV group's heads as one GEMM, never one row alone, over contiguous
+// panels (from a bfloat16 cache, widened a block of panels at a time).
 #pragma once
 
 #include "headmix/core/gemm.hpp"
@@ -112,7 +113,7 @@ struct DotProductStages {
 
   /// These stages reading K_hᵀ and V_h from streams 0 and 1 of a decoding
   /// cache (laid out as packed() lays them out, `key_stride` = its capacity,
-  /// K_hᵀ in rows or, full precision only, in panels), full or bfloat16.
+  /// K_hᵀ in rows or in panels), full or bfloat16.
   /// For a bfloat16 cache, sizes every worker's widening
   /// scratch for a full cache now, outside the parallel region, so that
   /// steps allocate nothing.
@@ -120,7 +121,6 @@ struct DotProductStages {
     HEADMIX_ASSERT(cache.transposed(0));
     DotProductStages p = *this;
     p.kt_panels = cache.key_layout() == KeyLayout::panels;
-    HEADMIX_ASSERT(!(p.kt_panels && cache.is_half(0)));  // bfloat16 K is read in rows only
     p.key_stride = cache.capacity(), p.kt_stride = p.kt_panels ? cache.capacity() : cache.transposed_stride();
     p.head_major_kv = true;
     p.k = p.kt = p.v = nullptr;
@@ -180,6 +180,18 @@ struct DotProductStages {
         return Panels<T>(kt + (b * k_heads + head) * dk * kt_stride, dk, kt_stride).middle_cols(k0, cols);
       };
       gemm(lhs, keys_of(h), out, false, next >= 0 ? keys_of(next).start() : nullptr);
+    } else if (k_half && kt_panels) {  // whole panels widened ~64 KiB at a time, read by the GEMM from L2
+      const Half* head = k_half + (b * k_heads + h) * dk * kt_stride;
+      for (Index c0 = 0; c0 < cols;) {
+        // Panels [p0, p1) hold columns k0 + c0 onwards; widened, they are
+        // Panels of p1 - p0 columns (p1 a panel boundary or the capacity).
+        const Index p0 = (k0 + c0) / Panels<T>::kWidth * Panels<T>::kWidth;
+        const Index p1 = std::min(kt_stride, p0 + widening_chunk()), n = std::min(cols - c0, p1 - (k0 + c0));
+        T* keys_t = ws.local(w, slot::widened_key, dk * (p1 - p0));
+        widen_bfloat16(head + p0 * dk, (p1 - p0) * dk, keys_t);
+        gemm(lhs, Panels<T>(keys_t, dk, p1 - p0).middle_cols(k0 + c0 - p0, n), out.middleCols(c0, n));
+        c0 += n;
+      }
     } else if (kt && lhs.rows() == 1) {
       stream_key_rows(lhs, kt + (b * k_heads + h) * dk * kt_stride + k0, cols, out.data());
     } else if (kt) {
@@ -191,8 +203,8 @@ struct DotProductStages {
     } else if (k_half && lhs.rows() <= kFewRows) {
       multiply_few_rows(lhs.rows(), lhs.data(), lhs.outerStride(), k_half + (b * k_heads + h) * dk * kt_stride + k0,
                         dk, kt_stride, cols, out.data(), cols, false);
-    } else if (k_half) {  // many rows reuse each widened block: widened 64 KiB at a time, read by the GEMM from L2
-      const Index chunk = std::max<Index>(64, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / 64 * 64);
+    } else if (k_half) {  // many rows reuse each widened block: widened ~64 KiB at a time, read by the GEMM from L2
+      const Index chunk = widening_chunk();
       T* keys_t = ws.local(w, slot::widened_key, dk * std::min(chunk, cols));
       const Half* from = k_half + (b * k_heads + h) * dk * kt_stride + k0;
       for (Index c0 = 0; c0 < cols; c0 += chunk) {
@@ -203,6 +215,13 @@ struct DotProductStages {
     } else {
       out.noalias() = lhs * kv_rows(k, k_heads, dk, b, h, k0, cols).transpose();
     }
+  }
+
+  // Keys per block of a bfloat16 K_hᵀ widened for a GEMM: ~64 KiB of T, a
+  // whole number of panels.
+  Index widening_chunk() const {
+    constexpr Index kWidth = Panels<T>::kWidth;
+    return std::max(kWidth, 65536 / static_cast<Index>(sizeof(T)) / std::max<Index>(1, dk) / kWidth * kWidth);
   }
 
   // o [cols] = one query's scores over a cache's K_hᵀ rows at `from`, read

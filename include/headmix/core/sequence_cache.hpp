@@ -17,9 +17,9 @@
 // apart, the capacity padded so that they do not fall in the same cache
 // sets (a 4 KiB multiple apart, a step's dk rows would evict each other):
 // detail::odd_line_stride. A layer whose steps multiply many rows by K
-// (CollabHead: every head against the shared keys; grouped-query MHA over
-// a full-precision cache: a KV group's heads) stores it in Panels of 64
-// positions instead (KeyLayout::panels), as its forward packs it.
+// (CollabHead: every head against the shared keys; grouped-query MHA: a
+// KV group's heads) stores it in Panels of 64 positions instead
+// (KeyLayout::panels), as its forward packs it.
 //
 // Half precision (CachePrecision::bfloat16): the K and V streams of the
 // dot-product layers (MHA, Talking-Heads, DCMHA), and DCMHA's key-side
