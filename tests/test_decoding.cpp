@@ -520,7 +520,7 @@ TYPED_TEST(Decoding, HalfCacheHoldsKeysAndValuesInBfloat16OrIsRefused) {
       layer.step(x.batch(), full, y.batch(), ws);
       layer.step(x.batch(), half, y.batch(), ws);
       // K (as K_hᵀ rows, each cache's padded to lines of what it stores, or a
-      // grouped full cache's panels) and
+      // grouped cache's panels) and
       // V in bfloat16; any other stream as it was or, DCMHA's key-side
       // factors, in bfloat16 as well (test_dcmha.cpp).
       const Index wk = full.stream(0).cols(), wv = full.stream(1).cols(), t = sizeof(T), h = sizeof(Eigen::bfloat16);
@@ -798,15 +798,17 @@ double inf_norm(const Matrix<T>& w) {
 // as they stand). The head sizes reach every branch of a one-row step:
 // dk = 3 and 11 (key rows eight at a time, and the rows left over), dv = 5
 // and 70 (a bfloat16 readout's full 64-column chunk, and a narrower one).
-// One-token steps stack a KV group's 3, 6 or 12 heads (the few-row product
-// up to 8 rows, a GEMM past it); steps of 3, 9 and 5 tokens run a head's
-// rows as few rows and as a GEMM; 70 positions pass 32-column chunks and,
-// in a grouped full cache, fill a 64-position panel and part of the next.
+// With a KV head per head (12), K lies in rows: one-token steps stream
+// them, steps of 3, 9 and 5 tokens run them as few rows and as a GEMM.
+// Grouped caches (4, 2, 1 KV heads) keep K in panels: one-token steps stack
+// a KV group's 3, 6 or 12 heads as the rows of one GEMM over them, and read
+// V with the few-row product up to 8 rows, a GEMM past it. 70 positions
+// pass 32-column chunks and fill a 64-position panel and part of the next.
 TEST(HalfCache, StepsEqualNaiveLoopsOverRoundedKeysAndValues) {
   const Index T_ = 70;
   const auto identity = [](double e) { return e; };
   for (auto [dk, dv] : {std::pair{3, 5}, std::pair{11, 70}})
-    for (int kv_heads : {4, 2, 1}) {
+    for (int kv_heads : {12, 4, 2, 1}) {
       const auto p = gqa_problem<double>(kv_heads, 1, T_, 12, dk, dv, 7, 61, 12, 16);
       const headmix::Mha<double> layer = p.layer();
       const Tensor<double> x = query_tensor<variants::Mha>(p);
