@@ -93,8 +93,9 @@ struct SoftmaxExp {
     return pselect(pcmp_lt(x, pset1<Packet>(kLowest)), pzero(x), scaled);
   }
 #if defined EIGEN_VECTORIZE_AVX512
-  // The same in AVX-512, an instruction each: vmaxps returns its second
-  // operand (x) for NaN; vscalefps zeroes the lanes its compare mask drops.
+  // The same in AVX-512: vmaxps returns its second operand (x) for NaN;
+  // vscalefps zeroes the lanes its compare mask drops. m is capped as in
+  // the scalar form: Zen 5 returns +inf, not NaN, for vscalefps(NaN, +inf).
   static Eigen::internal::Packet16f clamped(const Eigen::internal::Packet16f& x) {
     return _mm512_max_ps(_mm512_set1_ps(kLowest), x);
   }
@@ -102,7 +103,7 @@ struct SoftmaxExp {
                                                        const Eigen::internal::Packet16f& mantissa,
                                                        const Eigen::internal::Packet16f& m) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kLowest), _CMP_NLT_UQ);  // NaN kept
-    return _mm512_maskz_scalef_ps(keep, mantissa, m);
+    return _mm512_maskz_scalef_ps(keep, mantissa, _mm512_min_ps(m, _mm512_set1_ps(128.0f)));
   }
 #endif
 };
