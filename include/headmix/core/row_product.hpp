@@ -247,14 +247,13 @@ void multiply_few_rows(const T* weights, Index weight_stride, const Stored* rows
 /// rows of weights (weight_stride apart; out's rows out_stride apart) and
 /// n bfloat16 rows (`stride` apart): a step's few query rows against a
 /// head's keys in rows (a few tokens) or its values (those, or a KV
-/// group's heads; a grouped cache's keys lie in panels). Each stored
-/// value is widened in registers once for all R rows, 32 columns at a time
-/// down all n rows, where a GEMM would first widen the rows into a buffer
-/// and then read them again: a grouped-query step (8 heads per KV head,
-/// S = 8192) over a bfloat16 cache with K in rows took 0.62-0.70x the time
-/// (K in panels widens contiguous blocks for the GEMM, faster). Over a float
-/// cache the GEMM stays: this order took 1.8x its time there. Every sum
-/// adds its n products in the order i = 0, 1, ..., whatever R.
+/// group's heads, or with AVX-512 its keys, one panel at a time). Each
+/// stored value is widened in registers once for all R rows, 32 columns at
+/// a time down all n rows, where a GEMM would first widen the rows into a
+/// buffer and then read them again: a grouped-query step (8 heads per KV
+/// head, S = 8192) over a bfloat16 cache with K in rows took 0.62-0.70x the
+/// time. Over a float cache the GEMM stays: this order took 1.8x its time
+/// there. Every sum adds its n products in the order i = 0, 1, ..., whatever R.
 template <class T>
 void multiply_few_rows(Index R, const T* weights, Index weight_stride, const Eigen::bfloat16* rows, Index n,
                        Index stride, Index width, T* out, Index out_stride, bool accumulate) {
