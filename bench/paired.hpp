@@ -40,7 +40,11 @@
 //
 // A side that leaves threads spinning declares a settle time; the
 // comparison then pauses that long before each repetition of either side,
-// so that no repetition shares the cores with the other side's idle spin.
+// so that no repetition shares the cores with the other side's idle spin,
+// and then makes one untimed call of the side: the first call after the
+// pause finds the cores idle (on the Zen 5 VM of round 38, headmix's
+// 2-thread forward at T = 1024 took 24-43 ms a call timed so, 22-26 ms
+// after a warm-up call; torch's side did not move).
 //
 // Warming runs both sides, as they will alternate, until a round of both
 // takes no page fault (at most PairSettings::max_warm_rounds, within the
@@ -223,7 +227,10 @@ inline double cpu_now() {
 // Time one repetition of `s` (wall clock, per call); record it, and its CPU
 // time and preemption, in `out` when given.
 inline double time_rep(const Side& s, int calls, SideTimes* out = nullptr, double settle = 0) {
-  if (settle > 0) std::this_thread::sleep_for(std::chrono::duration<double>(settle));
+  if (settle > 0) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(settle));
+    s.call();
+  }
   const long switches = involuntary_switches(), faults = page_faults();
   const double cpu0 = cpu_now();
   const auto t0 = Steady::now();
