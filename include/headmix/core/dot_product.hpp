@@ -186,7 +186,8 @@ struct DotProductStages {
       const Half* head = k_half + (b * k_heads + h) * dk * kt_stride;
       for (Index c0 = 0; c0 < cols;) {  // a panel at a time: [dk, width] rows `width` apart
         const Index p0 = (k0 + c0) / Panels<T>::kWidth * Panels<T>::kWidth;
-        const Index width = std::min(Panels<T>::kWidth, kt_stride - p0), n = std::min(cols - c0, p0 + width - (k0 + c0));
+        const Index width = std::min(Panels<T>::kWidth, kt_stride - p0);
+        const Index n = std::min(cols - c0, p0 + width - (k0 + c0));
         multiply_few_rows(lhs.rows(), lhs.data(), lhs.outerStride(), head + p0 * dk + (k0 + c0 - p0), dk, width, n,
                           out.data() + c0, cols, false);
         c0 += n;
