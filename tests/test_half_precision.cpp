@@ -32,8 +32,9 @@ using headmix::Workspace;
 // (for dk = 128 in double, one 64-position panel at a time); the layer with
 // its K/V heads repeated streams K in rows. Both hold the same rounded keys
 // and values, so their steps agree to the last bits, one token at a time
-// and several (3 and 5 tokens: 6 and 10 rows), with a window whose first
-// key lies inside a panel past the first.
+// (a KV group's 2 heads as 2 rows) and in steps of 3, 9 and 5 tokens (as
+// many rows a head; 9 take the GEMM), with a window whose first key lies
+// inside a panel past the first.
 TEST(MhaDecoding, GroupedBfloat16KeysInPanelsAgreeWithRows) {
   mha_case::Shape s;
   s.B = 2, s.T = 150, s.D = 16, s.H = 4, s.Hkv = 2, s.Dk = 128, s.Dv = 5, s.out = 7, s.causal = true, s.window = 70;
