@@ -183,14 +183,13 @@ struct DotProductStages {
       };
       gemm(lhs, keys_of(h), out, false, next >= 0 ? keys_of(next).start() : nullptr);
     } else if (k_half && kt_panels && kFewRowsOverPanels && lhs.rows() <= kFewRows) {
-      const Half* head = k_half + (b * k_heads + h) * dk * kt_stride;
-      for (Index c0 = 0; c0 < cols;) {  // a panel at a time: [dk, width] rows `width` apart
-        const Index p0 = (k0 + c0) / Panels<T>::kWidth * Panels<T>::kWidth;
-        const Index width = std::min(Panels<T>::kWidth, kt_stride - p0);
-        const Index n = std::min(cols - c0, p0 + width - (k0 + c0));
-        multiply_few_rows(lhs.rows(), lhs.data(), lhs.outerStride(), head + p0 * dk + (k0 + c0 - p0), dk, width, n,
-                          out.data() + c0, cols, false);
-        c0 += n;
+      const Panels<Half> keys(k_half + (b * k_heads + h) * dk * kt_stride, dk, kt_stride);
+      for (Index c = k0, end = k0 + cols; c < end;) {  // a panel at a time: [dk, width] rows `width` apart
+        const Index p0 = c / Panels<Half>::kWidth * Panels<Half>::kWidth, width = keys.panel_cols(p0);
+        const Index next = std::min(end, p0 + width);
+        multiply_few_rows(lhs.rows(), lhs.data(), lhs.outerStride(), keys.panel(p0).data() + (c - p0), dk, width,
+                          next - c, out.data() + (c - k0), cols, false);
+        c = next;
       }
     } else if (k_half && kt_panels) {  // whole panels widened ~64 KiB at a time, read by the GEMM from L2
       const Half* head = k_half + (b * k_heads + h) * dk * kt_stride;
