@@ -878,8 +878,9 @@ TYPED_TEST(DcmhaTest, SeparateKeysFlopsEqualReferenceCount) {
 // ---- Compose kernels: the fast one against the reference one ---------------
 // detail::compose_lines (rank projections in registers; for the group
 // sizes of detail::ComposeHeldHeads with a static term, every head's line
-// too) and detail::compose_generic (plain loops, any R) on one row segment,
-// both held to the Compose formula evaluated here in double, with the
+// too; without one, detail::compose_rows rows at a time) and
+// detail::compose_generic (plain loops, any R) on a segment of one or more
+// rows, both held to the Compose formula evaluated here in double, with the
 // key-wise factors in T and in bfloat16 (a bfloat16 cache's).
 
 namespace {
@@ -893,94 +894,103 @@ TYPED_TEST(DcmhaComposeKernels, FastAndReferenceMatchTheFormula) {
   std::mt19937 rng(42);
   std::normal_distribution<double> nd(0.0, 1.0);
   const Index plane_pad = 5;
-  for (Index M : {3, 4, 8, 12, 16})
-    for (Index R : {1, 2, 3})
-      for (Index len : {7, 37, 300})
-        for (int flags = 0; flags < 32; ++flags) {
-          // The static term in the kernel (static_loop) or a GEMM's, added from `base` (gemm_term).
-          const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, gemm_term = flags & 8;
-          const bool half = flags & 16;  // key-wise factors stored as bfloat16 bits (a bfloat16 cache's)
-          if ((half && !kw) || (static_loop && gemm_term)) continue;
-          const Index RM = R * M, plane = len + plane_pad, rs = len + 3;
-          auto random = [&](Index n) {
-            std::vector<T> v(static_cast<std::size_t>(n));
-            for (T& e : v) e = static_cast<T>(nd(rng));
-            return v;
-          };
-          const std::vector<T> z = random(M * plane), qf = random((2 * R + 1) * M);
-          std::vector<T> kf = random((2 * R + 1) * M * rs);
-          std::vector<Eigen::bfloat16> kf_half(kf.size());
-          if (half)
-            for (std::size_t i = 0; i < kf.size(); ++i) {
-              kf_half[i] = Eigen::bfloat16(static_cast<float>(kf[i]));
-              kf[i] = static_cast<T>(static_cast<float>(kf_half[i]));  // the values the kernels must read
-            }
-          const std::vector<T> term = random(M * plane);  // a static GEMM's output, for gemm_term
-          headmix::Matrix<T> mix(M, M);
-          for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
-          const T identity = static_loop || gemm_term ? T(0) : T(1);
-          std::vector<T> scratch(static_cast<std::size_t>(headmix::detail::compose_scratch<T>(M, R)));
-
-          // The formula, in double.
-          std::vector<double> expect(static_cast<std::size_t>(M * plane));
-          for (Index x = 0; x < len; ++x) {
-            auto zm = [&](Index m) { return double(z[m * plane + x]); };
-            auto kfr = [&](Index j) { return double(kf[j * rs + x]); };
-            for (Index n = 0; n < M; ++n) {
-              double o = 0;
-              if (static_loop)
-                for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
-              else if (gemm_term)
-                o = term[n * plane + x];
-              double diag = identity + (qw ? qf[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
-              o += diag * zm(n);
-              for (Index i = 0; i < R; ++i) {
-                double a = 0, b = 0;
-                for (Index m = 0; m < M; ++m) {
-                  if (qw) a += double(qf[i * M + m]) * zm(m);
-                  if (kw) b += kfr(i * M + m) * zm(m);
-                }
-                if (qw) o += double(qf[RM + i * M + n]) * a;
-                if (kw) o += kfr(RM + i * M + n) * b;
-              }
-              expect[n * plane + x] = o;
-            }
-          }
-          // Into a separate output and in place (z and o the same values, as
-          // the layer runs them).
-          for (int pass = 0; pass < 4; ++pass) {
-            const bool generic_only = pass & 1, in_place = pass & 2;
-            std::vector<T> out = in_place ? z : random(M * plane);
-            const std::vector<T> untouched = out;
-            const auto compose = [&](const auto* kf_stored) {
-              using Stored = std::remove_const_t<std::remove_pointer_t<decltype(kf_stored)>>;
-              const headmix::detail::ComposeSegment<T, Stored> s{in_place ? out.data() : z.data(), out.data(), plane,
-                                                                 qw ? qf.data() : nullptr,
-                                                                 kw ? kf_stored : nullptr, rs, &mix, M, R,
-                                                                 static_loop, gemm_term ? term.data() : nullptr,
-                                                                 identity, scratch.data()};
-              headmix::detail::compose_segment(s, len, generic_only);
+  // 6 rows: one group of compose_rows, then two alone.
+  static_assert(headmix::detail::compose_rows == 4, "6 rows no longer mix the two paths");
+  for (Index rows : {1, 6})
+    for (Index M : {3, 4, 8, 12, 16})
+      for (Index R : {1, 2, 3})
+        for (Index len : {7, 37, 300})
+          for (int flags = 0; flags < 32; ++flags) {
+            // The static term in the kernel (static_loop) or a GEMM's, added from `base` (gemm_term).
+            const bool qw = flags & 1, kw = flags & 2, static_loop = flags & 4, gemm_term = flags & 8;
+            const bool half = flags & 16;  // key-wise factors stored as bfloat16 bits (a bfloat16 cache's)
+            if ((half && !kw) || (static_loop && gemm_term)) continue;
+            // Head m's row p at z[m·plane + p·row_stride]; row p's query-wise factors at qf[p·qf_stride].
+            const Index RM = R * M, row_stride = len + 2, plane = rows * row_stride + plane_pad, rs = len + 3;
+            const Index qf_stride = (2 * R + 1) * M + 1;
+            auto random = [&](Index n) {
+              std::vector<T> v(static_cast<std::size_t>(n));
+              for (T& e : v) e = static_cast<T>(nd(rng));
+              return v;
             };
+            const std::vector<T> z = random(M * plane), qf = random(rows * qf_stride);
+            std::vector<T> kf = random((2 * R + 1) * M * rs);
+            std::vector<Eigen::bfloat16> kf_half(kf.size());
             if (half)
-              compose(headmix::bfloat16_bits(kf_half.data()));
-            else
-              compose(kf.data());
-            const double tol = std::is_same_v<T, float> ? 2e-5 : 1e-13;
-            for (Index n = 0; n < M; ++n)
-              for (Index x = 0; x < plane; ++x) {
-                const std::size_t i = static_cast<std::size_t>(n * plane + x);
-                if (x >= len) {  // past the segment: untouched
-                  ASSERT_EQ(out[i], untouched[i]) << "wrote past the segment";
-                  continue;
-                }
-                ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
-                    << (generic_only ? "reference" : "fast") << " kernel" << (in_place ? " in place" : "") << ", M " << M
-                    << " R " << R << " len " << len
-                    << (half ? " bfloat16 factors" : "")
-                    << " flags " << flags << " head " << n << " column " << x;
+              for (std::size_t i = 0; i < kf.size(); ++i) {
+                kf_half[i] = Eigen::bfloat16(static_cast<float>(kf[i]));
+                kf[i] = static_cast<T>(static_cast<float>(kf_half[i]));  // the values the kernels must read
               }
+            const std::vector<T> term = random(M * plane);  // a static GEMM's output, for gemm_term
+            headmix::Matrix<T> mix(M, M);
+            for (Index i = 0; i < M * M; ++i) mix.data()[i] = static_cast<T>(nd(rng));
+            const T identity = static_loop || gemm_term ? T(0) : T(1);
+            std::vector<T> scratch(static_cast<std::size_t>(headmix::detail::compose_scratch<T>(M, R)));
+
+            // The formula, in double.
+            std::vector<double> expect(static_cast<std::size_t>(M * plane));
+            for (Index p = 0; p < rows; ++p)
+              for (Index x = 0; x < len; ++x) {
+                const Index at = p * row_stride + x;
+                const T* q = qf.data() + p * qf_stride;
+                auto zm = [&](Index m) { return double(z[m * plane + at]); };
+                auto kfr = [&](Index j) { return double(kf[j * rs + x]); };
+                for (Index n = 0; n < M; ++n) {
+                  double o = 0;
+                  if (static_loop)
+                    for (Index m = 0; m < M; ++m) o += double(mix(n, m)) * zm(m);
+                  else if (gemm_term)
+                    o = term[n * plane + at];
+                  double diag = identity + (qw ? q[2 * RM + n] : 0.0) + (kw ? kfr(2 * RM + n) : 0.0);
+                  o += diag * zm(n);
+                  for (Index i = 0; i < R; ++i) {
+                    double a = 0, b = 0;
+                    for (Index m = 0; m < M; ++m) {
+                      if (qw) a += double(q[i * M + m]) * zm(m);
+                      if (kw) b += kfr(i * M + m) * zm(m);
+                    }
+                    if (qw) o += double(q[RM + i * M + n]) * a;
+                    if (kw) o += kfr(RM + i * M + n) * b;
+                  }
+                  expect[n * plane + at] = o;
+                }
+              }
+            // Into a separate output and in place (z and o the same values, as
+            // the layer runs them).
+            for (int pass = 0; pass < 4; ++pass) {
+              const bool generic_only = pass & 1, in_place = pass & 2;
+              std::vector<T> out = in_place ? z : random(M * plane);
+              const std::vector<T> untouched = out;
+              const auto compose = [&](const auto* kf_stored) {
+                using Stored = std::remove_const_t<std::remove_pointer_t<decltype(kf_stored)>>;
+                headmix::detail::ComposeSegment<T, Stored> s{in_place ? out.data() : z.data(), out.data(), plane,
+                                                             qw ? qf.data() : nullptr,
+                                                             kw ? kf_stored : nullptr, rs, &mix, M, R,
+                                                             static_loop, gemm_term ? term.data() : nullptr,
+                                                             identity, scratch.data()};
+                s.rows = rows, s.row_stride = row_stride, s.qf_stride = qf_stride;
+                headmix::detail::compose_segment(s, len, generic_only);
+              };
+              if (half)
+                compose(headmix::bfloat16_bits(kf_half.data()));
+              else
+                compose(kf.data());
+              const double tol = std::is_same_v<T, float> ? 2e-5 : 1e-13;
+              for (Index n = 0; n < M; ++n)
+                for (Index at = 0; at < plane; ++at) {
+                  const std::size_t i = static_cast<std::size_t>(n * plane + at);
+                  if (at >= rows * row_stride || at % row_stride >= len) {  // outside the segment: untouched
+                    ASSERT_EQ(out[i], untouched[i]) << "wrote outside the segment";
+                    continue;
+                  }
+                  ASSERT_NEAR(out[i], expect[i], tol * (1 + std::abs(expect[i])))
+                      << (generic_only ? "reference" : "fast") << " kernel" << (in_place ? " in place" : "")
+                      << ", rows " << rows << " M " << M << " R " << R << " len " << len
+                      << (half ? " bfloat16 factors" : "") << " flags " << flags << " head " << n << " row "
+                      << at / row_stride << " column " << at % row_stride;
+                }
+            }
           }
-        }
 }
 
 }  // namespace

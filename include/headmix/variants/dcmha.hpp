@@ -457,16 +457,22 @@ class Dcmha : public LayerForms<Dcmha<T>, T> {
         using Stored = std::remove_const_t<std::remove_pointer_t<decltype(kfg)>>;
         for (Index c0 = 0; c0 < cols; c0 += CH) {
           const Index c1 = std::min(cols, c0 + CH);
-          for (Index r = 0; r < rows; ++r) {
-            auto [lo, hi] = visible(r);
-            lo = std::max(lo, c0);
-            hi = std::min(hi, c1);
+          const auto visible_in_chunk = [&](Index r) {
+            const auto [lo, hi] = visible(r);
+            return std::pair<Index, Index>(std::max(lo, c0), std::min(hi, c1));
+          };
+          // Consecutive rows that see the same columns of the chunk (all of
+          // them without a causal diagonal here) are one segment.
+          for (Index r = 0, n = 1; r < rows; r += n) {
+            const auto [lo, hi] = visible_in_chunk(r);
+            for (n = 1; r + n < rows && visible_in_chunk(r + n) == std::pair(lo, hi);) ++n;
             if (lo >= hi) continue;
             const T* qf = qw ? src.qf[st] + (b * src.queries + q0 + r) * src.qf_stride + g * FW : nullptr;
             const Index at = r * cols + lo;
-            const detail::ComposeSegment<T, Stored> segment{zg + at, zg + at, plane, qf, kfg ? kfg + lo : nullptr,
-                                                            rs, mix, M, R, static_loop, term ? term + at : nullptr,
-                                                            identity, scratch};
+            detail::ComposeSegment<T, Stored> segment{zg + at, zg + at, plane, qf, kfg ? kfg + lo : nullptr,
+                                                      rs, mix, M, R, static_loop, term ? term + at : nullptr,
+                                                      identity, scratch};
+            segment.rows = n, segment.row_stride = cols, segment.qf_stride = src.qf_stride;
             detail::compose_segment(segment, hi - lo);
           }
         }
