@@ -186,7 +186,7 @@ struct DotProductStages {
       const Panels<Half> keys(k_half + (b * k_heads + h) * dk * kt_stride, dk, kt_stride);
       for (Index c = k0, end = k0 + cols; c < end;) {  // a panel at a time: [dk, width] rows `width` apart
         const Index p0 = c / Panels<Half>::kWidth * Panels<Half>::kWidth, width = keys.panel_cols(p0);
-        const Index stop = std::min(end, p0 + width);  // this panel's last column, or the view's
+        const Index stop = std::min(end, p0 + width);  // one past this panel's last column, or the view's end
         multiply_few_rows(lhs.rows(), lhs.data(), lhs.outerStride(), keys.panel(p0).data() + (c - p0), dk, width,
                           stop - c, out.data() + (c - k0), cols, false);
         c = stop;
